@@ -1,0 +1,94 @@
+"""Attention over a paged KV cache on this machine: which formulation is fastest?
+
+Times one layer of decode (single-token queries) and prefill (one long chunk) for the default
+model's head shapes, several ways, and prints each relative to the one tandem uses.
+
+    python benchmarks/attention_backends.py [--dtype float32|bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tandem.model.attention import grouped_attention
+
+H, KVH, D, BS, NBLOCKS = 9, 3, 64, 16, 4096
+
+
+def best_ms(fn, repeat=7, number=10):
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        for _ in range(number):
+            fn()
+        times.append((time.perf_counter() - t) / number)
+    return min(times) * 1e3
+
+
+def cases(b, q, ctx, dtype):
+    g = torch.Generator().manual_seed(0)
+    kc = torch.randn(NBLOCKS, BS, KVH, D, generator=g).to(dtype)  # tandem's layout
+    vc = torch.randn(NBLOCKS, BS, KVH, D, generator=g).to(dtype)
+    nb = ctx // BS
+    bt = torch.randint(1, NBLOCKS, (b, nb), generator=g)
+    qt = torch.randn(b, q, H, D, generator=g).to(dtype)
+    start = ctx - q
+    mask = torch.arange(ctx)[None, None, :] <= (start + torch.arange(q))[None, :, None]
+    mask = mask.expand(b, q, ctx)
+    scale = D**-0.5
+
+    def gather(cache):
+        return cache.index_select(0, bt.view(-1)).view(b, ctx, KVH, D)
+
+    def tandem():
+        return grouped_attention(qt, gather(kc), gather(vc), mask, scale)
+
+    def sdpa():
+        k, v = gather(kc).transpose(1, 2), gather(vc).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            qt.transpose(1, 2), k, v, attn_mask=mask[:, None], enable_gqa=True, scale=scale
+        )
+        return out.transpose(1, 2)
+
+    def advanced_index_gather():
+        k, v = kc[bt].view(b, ctx, KVH, D), vc[bt].view(b, ctx, KVH, D)
+        return grouped_attention(qt, k, v, mask, scale)
+
+    ref = tandem().float()
+    for name, fn in (("sdpa", sdpa), ("cache[block_tables] gather", advanced_index_gather)):
+        err = (fn().float() - ref).abs().max().item()
+        assert err < 1e-2, f"{name} disagrees by {err}"
+    return {
+        "tandem (index_select + grouped matmul)": tandem,
+        "sdpa enable_gqa": sdpa,
+        "cache[block_tables] + grouped matmul": advanced_index_gather,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    torch.set_grad_enabled(False)
+    for label, b, q, ctx in (
+        ("decode", 32, 1, 256),
+        ("decode", 64, 1, 512),
+        ("prefill", 1, 512, 512),
+        ("prefill", 1, 512, 2048),
+    ):
+        fns = cases(b, q, ctx, dtype)
+        times = {k: best_ms(f) for k, f in fns.items()}
+        base = times["tandem (index_select + grouped matmul)"]
+        print(f"{label} batch={b} query={q} context={ctx} ({args.dtype}), ms per layer:")
+        for k, t in times.items():
+            print(f"  {k:42s} {t:8.3f}  x{t / base:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""tandem: LLM inference serving in Python."""
+
+from tandem.core.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+
+def __getattr__(name: str):
+    # The engine imports torch; keep `import tandem` (and tandem.core) light.
+    if name == "LLM":
+        from tandem.engine.llm import LLM
+
+        return LLM
+    if name in ("RequestOutput", "CompletionOutput"):
+        from tandem.engine import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(name)

@@ -1,0 +1,177 @@
+"""KVCacheManager: the request-level view of KV blocks (allocation, prefix reuse, release).
+
+The scheduler asks it two questions, "what of this prompt is cached?" and "can this request
+get room for n more tokens?", and it answers without side effects when the answer is no.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.core.block_pool import BlockPool
+from tandem.core.radix_cache import EvictionPolicy, Node, RadixCache
+from tandem.core.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens served from cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass
+class _InsertCursor:
+    """Where a request's next full block goes in the tree."""
+
+    node: Node | None = None  # None: the root
+    num_blocks: int = 0  # blocks of the request already in (or matched against) the tree
+    stopped: bool = False  # hit a duplicate: the rest of the request stays private
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        eviction_policy: EvictionPolicy | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.cache = (
+            RadixCache(block_size, self.pool.ref_cnt, eviction_policy)
+            if enable_prefix_caching
+            else None
+        )
+        self.stats = PrefixCacheStats()
+        self._cursors: dict[str, _InsertCursor] = {}
+
+    # ---- capacity ---------------------------------------------------------------
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.pool.num_usable
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can get now: free ones plus evictable cached ones."""
+        return self.pool.num_free + (self.cache.num_evictable if self.cache else 0)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached but unused blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.pool.num_usable
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix reuse -----------------------------------------------------------
+    def match_prefix(self, request: Request) -> list[Node]:
+        """Cached full blocks covering a prefix of the request's tokens. At least the last
+        token is left to compute, so the model yields logits to sample from."""
+        if self.cache is None:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return self.cache.match(request.all_token_ids, max_blocks)
+
+    def record_lookup(self, num_queried: int, num_hit: int) -> None:
+        self.stats.queries += num_queried
+        self.stats.hits += num_hit
+
+    # ---- allocation ------------------------------------------------------------
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, prefix: list[Node] = ()
+    ) -> bool:
+        """Give the request room for num_new_tokens more tokens, after adopting `prefix`
+        (cached blocks from match_prefix) if it has none yet. False, changing nothing, when
+        the pool is short.
+
+            |<------------------ blocks after the call ------------------->|
+            |<- prefix ->|<- request.block_ids[len(prefix):] ->|<- new ->|
+            |<-------- num_computed --------->|<-- num_new_tokens -->|
+        """
+        bs = self.block_size
+        num_computed = request.num_computed_tokens + len(prefix) * bs
+        num_held = len(request.block_ids) + len(prefix)
+        num_new_blocks = max(0, self.blocks_for(num_computed + num_new_tokens) - num_held)
+        prefix_ids = [n.block_id for n in prefix]
+        revived = sum(1 for b in prefix_ids if self.pool.ref_cnt[b] == 0)
+        if num_new_blocks > self.num_free_blocks - revived:
+            return False
+
+        for b in prefix_ids:
+            self.pool.ref_cnt[b] += 1
+            if self.pool.ref_cnt[b] == 1:
+                self.cache.on_referenced(b)
+        request.block_ids.extend(prefix_ids)
+        request.block_ids.extend(self._take(num_new_blocks))
+        if self.cache is not None:
+            if prefix:
+                self._cursors[request.request_id] = _InsertCursor(prefix[-1], len(prefix))
+            self._insert_full_blocks(request, num_computed + num_new_tokens)
+        return True
+
+    def _take(self, n: int) -> list[int]:
+        short = n - self.pool.num_free
+        if short > 0:
+            evicted = self.cache.evict(short)
+            assert len(evicted) == short, "evictable count promised more blocks than eviction found"
+            self.pool.put_free(evicted)
+        return self.pool.take(n)
+
+    def _insert_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Publish the request's blocks that are full once num_tokens are computed. They go in
+        at schedule time: a request admitted later in the same step reads them after this
+        step's KV write, which precedes attention in every layer."""
+        cursor = self._cursors.setdefault(request.request_id, _InsertCursor())
+        bs, tokens = self.block_size, request.all_token_ids
+        while not cursor.stopped and cursor.num_blocks < num_tokens // bs:
+            i = cursor.num_blocks
+            block_id = request.block_ids[i]
+            node = self.cache.insert(cursor.node, tuple(tokens[i * bs : (i + 1) * bs]), block_id)
+            if node.block_id != block_id:
+                cursor.stopped = True
+                break
+            cursor.node, cursor.num_blocks = node, i + 1
+
+    # ---- release -------------------------------------------------------------------
+    def free(self, request: Request) -> None:
+        """Drop the request's references. Cached blocks stay for reuse until evicted."""
+        released = self.pool.decref(list(reversed(request.block_ids)))
+        for b in released:
+            if self.cache is not None and self.cache.contains(b):
+                self.cache.on_released(b)
+            else:
+                self.pool.put_free([b])
+        request.block_ids = []
+        self._cursors.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every unreferenced cached block; return how many were freed."""
+        if self.cache is None:
+            return 0
+        freed = self.cache.clear()
+        self.pool.put_free(freed)
+        return len(freed)
+
+    @property
+    def num_evicted(self) -> int:
+        return self.cache.num_evicted if self.cache else 0
+
+    def check_invariants(self, requests: list[Request] | None = None) -> None:
+        """Every block is free, held or cached; given every live request, refs equal the
+        number of requests holding each block."""
+        self.pool.check_invariants(self.cache.cached_block_ids() if self.cache else set())
+        if self.cache is not None:
+            self.cache.check_invariants()
+        if requests is None:
+            return
+        holders = [0] * self.pool.num_blocks
+        for r in requests:
+            assert len(set(r.block_ids)) == len(r.block_ids), f"{r.request_id} holds a block twice"
+            for b in r.block_ids:
+                holders[b] += 1
+        assert holders == self.pool.ref_cnt, "block refs differ from the requests holding them"

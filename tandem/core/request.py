@@ -1,0 +1,94 @@
+"""A request as the scheduler sees it: token ids, progress counters and its KV blocks."""
+
+from __future__ import annotations
+
+import enum
+
+from tandem.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def finished(self) -> bool:
+        return self in FINISH_REASONS
+
+
+# The one map from a final status to the OpenAI finish_reason.
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """One sequence to generate. `num_computed_tokens` counts tokens whose KV is in the cache;
+    whether the request is still in prefill is derived from it, never stored."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        max_tokens: int | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.priority = priority
+        # Output budget after capping by max_model_len (the engine computes it).
+        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.block_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
+        )

@@ -1,0 +1,155 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, as vLLM."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+from tandem.core.sampling_params import SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.core import EngineCore
+from tandem.engine.output_processor import OutputProcessor
+from tandem.engine.outputs import RequestOutput
+from tandem.engine.tokenizer import apply_chat_template, load_tokenizer
+
+PromptType = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = load_tokenizer(self.config.tokenizer or self.engine.model_path)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        tokenized = [self._tokenize(p) for p in prompts]
+        for ids, p in zip(tokenized, params):  # check everything before adding anything
+            self._check_fits(ids, p)
+        return self._run(list(zip(prompts, tokenized, params)), use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            apply_chat_template(
+                self.tokenizer, conv, add_generation_prompt, **(chat_template_kwargs or {})
+            )
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    # ---- internals -----------------------------------------------------------------
+    def _tokenize(self, prompt: PromptType) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        vocab = self.engine.model_config.vocab_size
+        if not prompt or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise ValueError(
+                f"prompt: token ids must be a non-empty list of integers in [0, {vocab})"
+            )
+        return list(prompt)
+
+    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens is too long; max_model_len is {self.max_model_len} "
+                f"(prompt plus at least one output token)"
+            )
+        limit = self.engine.scheduler.max_request_tokens
+        need = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
+        if need > limit:
+            raise ValueError(
+                f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) needs {need} "
+                f"tokens of KV cache but the pool holds {limit}; lower max_tokens or raise kv_cache_memory"
+            )
+
+    def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
+        order = []
+        for prompt, ids, params in items:
+            rid = str(next(self._ids))
+            order.append(rid)
+            for creq in self.processor.add_request(
+                rid, prompt if isinstance(prompt, str) else None, ids, params, time.monotonic()
+            ):
+                self.engine.add_request(creq)
+        bar = _progress(len(items), use_tqdm)
+        results: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            outputs, stopped = self.processor.process(self.engine.step())
+            if stopped:
+                self.engine.abort_requests(stopped)  # the frontend already recorded "stop"
+            for out in outputs:
+                if out.finished:
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix_str(self._throughput(bar, results), refresh=False)
+        if bar is not None:
+            bar.close()
+        return [results[rid] for rid in order]
+
+    @staticmethod
+    def _throughput(bar, results) -> str:
+        elapsed = bar.format_dict.get("elapsed") or 1e-9
+        toks = sum(len(o.token_ids) for r in results.values() for o in r.outputs)
+        return f"output {toks / elapsed:.1f} tok/s"
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Generating", unit="req", dynamic_ncols=True)
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts: must not be empty")
+    if all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    for p in prompts:
+        if not isinstance(p, (str, list)):
+            raise ValueError(
+                f"prompts: each prompt must be a string or a list of token ids, got {type(p).__name__}"
+            )
+    return prompts
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"sampling_params: got {len(params)} for {n} prompts")
+    return params

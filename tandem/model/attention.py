@@ -1,0 +1,127 @@
+"""Attention over the paged KV cache for a mixed batch of prefill chunks and decodes.
+
+The runner enters `forward_context(meta)` around a forward pass, so models keep the plain
+signature `forward(input_ids, positions)`; each attention layer reads the step's metadata.
+
+Per layer: write this step's K and V into their slots, then attend group by group. A group is
+a set of rows with a padded query length: single-token rows (decodes) in one group, longer
+chunks (prefills) in another, so a long chunk never pads 31 decodes to its length. Keys are
+gathered from the cache through block tables, with this step's keys already written, so a
+row can read blocks another row fills in the same step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class AttentionGroup:
+    token_slice: slice  # this group's rows in the flat token batch
+    block_tables: torch.Tensor  # [B, num_blocks] long, null-padded
+    mask: torch.Tensor  # [B, Q, L] bool: key visible to query
+    scatter_index: (
+        torch.Tensor | None
+    )  # [tokens] long: flat token -> padded B*Q slot (None: no padding)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.mask.shape[0], self.mask.shape[1]  # (B, Q)
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: cache slot for each token's new K/V
+    groups: list[AttentionGroup]
+
+
+_meta: AttentionMetadata | None = None
+
+
+@contextlib.contextmanager
+def forward_context(meta: AttentionMetadata):
+    global _meta
+    _meta = meta
+    try:
+        yield
+    finally:
+        _meta = None
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.attend = sdpa_attention  # the runner picks per dtype and device: attention_fn()
+        # [num_blocks, block_size, kv_heads, head_dim] each; bound by the runner.
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [T, H, D]; k, v: [T, KVH, D]
+        meta = _meta
+        kvh, d = self.num_kv_heads, self.head_dim
+        self.k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
+        self.v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        outs = [self._attend_group(q[g.token_slice], g) for g in meta.groups]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _attend_group(self, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+        b, qlen = g.shape
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if g.scatter_index is not None:
+            padded = q.new_zeros(b * qlen, h, d)
+            padded[g.scatter_index] = q
+            q = padded
+        # index_select is ~4x faster than cache[block_tables] on the CPU
+        flat = g.block_tables.view(-1)
+        k = self.k_cache.index_select(0, flat).view(b, -1, kvh, d)  # [B, L, KVH, D]
+        v = self.v_cache.index_select(0, flat).view(b, -1, kvh, d)
+        out = self.attend(q.view(b, qlen, h, d), k, v, g.mask, self.scale)  # [B, Q, H, D]
+        out = out.reshape(b * qlen, h * d)
+        return out[g.scatter_index] if g.scatter_index is not None else out
+
+
+def attention_fn(dtype: torch.dtype, device: torch.device):
+    """The faster formulation for this dtype and device, as measured by
+    benchmarks/attention_backends.py: torch's fused SDPA, except for bf16 on the CPU, where
+    it is pathological for single-token queries and two grouped matmuls win."""
+    if device.type == "cpu" and dtype != torch.float32:
+        return grouped_attention
+    return sdpa_attention
+
+
+def sdpa_attention(q, k, v, mask, scale):
+    """q: [B, Q, H, D]; k, v: [B, L, KVH, D]; mask: [B, Q, L] bool. Returns [B, Q, H, D]."""
+    out = nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask[:, None],
+        scale=scale,
+        enable_gqa=True,
+    )  # [B, H, Q, D]
+    return out.transpose(1, 2)
+
+
+def grouped_attention(q, k, v, mask, scale):
+    """Softmax attention with query heads grouped under their KV head (GQA) as two batched
+    matmuls, softmax in float32.
+
+    q: [B, Q, H, D]; k, v: [B, L, KVH, D]; mask: [B, Q, L] bool. Returns [B, Q, H, D].
+    """
+    b, qlen, h, d = q.shape
+    kvh = k.shape[2]
+    group = h // kvh
+    # [B, KVH, G*Q, D]: query head i attends with KV head i // G, as transformers' repeat_kv.
+    qg = q.view(b, qlen, kvh, group, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, group * qlen, d)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [B, KVH, G*Q, L]
+    scores = scores.view(b, kvh, group, qlen, -1).float()
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, kvh, group * qlen, -1)
+    out = torch.matmul(probs, v.transpose(1, 2))  # [B, KVH, G*Q, D]
+    return out.view(b, kvh, group, qlen, d).permute(0, 3, 1, 2, 4).reshape(b, qlen, h, d)

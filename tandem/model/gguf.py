@@ -1,0 +1,138 @@
+"""GGUF files of Llama-architecture models, turned into an HF checkpoint folder once.
+
+Dequantizing and rebuilding the tokenizer from GGUF metadata takes ~15 s for the default
+model, so the result (config.json, float32 safetensors, tokenizer files) is cached under
+`$TANDEM_CACHE_DIR` (default ~/.cache/tandem), keyed by the file's path, size and mtime.
+Every later load is an ordinary safetensors load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TANDEM_CACHE_DIR", Path.home() / ".cache" / "tandem"))
+
+
+def gguf_as_hf_folder(path: Path) -> Path:
+    """The HF-format folder for a GGUF file, converting it on first use."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[
+        :16
+    ]
+    folder = cache_root() / "gguf" / f"{path.stem}-{key}"
+    if (folder / "config.json").exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
+    try:
+        _convert(path, tmp)
+        os.replace(tmp, folder)
+    except OSError:
+        if not (folder / "config.json").exists():  # lost a race with nobody: a real error
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _convert(path: Path, out: Path) -> None:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+
+    reader = GGUFReader(path)
+    # Skip the tokenizer's big arrays; the tokenizer is rebuilt by transformers below.
+    small = ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
+    meta = {
+        k: f.contents()
+        for k, f in reader.fields.items()
+        if not k.startswith("tokenizer.ggml.") or k in small
+    }
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"GGUF general.architecture {arch!r} is not supported; supported: llama")
+    heads, kv_heads = meta["llama.attention.head_count"], meta.get("llama.attention.head_count_kv")
+    kv_heads = kv_heads or heads
+    hidden = meta["llama.embedding_length"]
+    names = {t.name: t for t in reader.tensors}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(names["token_embd.weight"].shape[1]),  # GGUF shapes are [in, out]
+        "hidden_size": hidden,
+        "intermediate_size": meta["llama.feed_forward_length"],
+        "num_hidden_layers": meta["llama.block_count"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": meta.get("llama.attention.key_length", hidden // heads),
+        "rms_norm_eps": meta["llama.attention.layer_norm_rms_epsilon"],
+        "rope_theta": meta.get("llama.rope.freq_base", 10000.0),
+        "max_position_embeddings": meta.get("llama.context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    tensors = {}
+    for t in reader.tensors:
+        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        name = _hf_name(t.name)
+        if name is None:
+            continue
+        # llama.cpp interleaves the rotary halves of q and k; undo it for rotate-half RoPE.
+        if name.endswith("q_proj.weight"):
+            w = _unpermute(w, heads)
+        elif name.endswith("k_proj.weight"):
+            w = _unpermute(w, kv_heads)
+        tensors[name] = w
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    _save_tokenizer(path, out)
+
+
+def _save_tokenizer(path: Path, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.save_pretrained(str(out))
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    parts = name.split(".", 2)
+    if parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None  # e.g. rope_freqs: not used by the architectures we load
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)

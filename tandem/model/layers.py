@@ -1,0 +1,90 @@
+"""Building blocks of Llama-family models, numerically as HF transformers computes them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    # Llama 3.1 frequency-dependent scaling (transformers' _compute_llama3_parameters).
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with cos/sin tables precomputed for every position."""
+
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, dtype
+    ) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions, self.theta, self.scaling, self.dtype = (
+            head_dim,
+            max_positions,
+            theta,
+            scaling,
+            dtype,
+        )
+        self.register_buffer(
+            "cos", torch.empty(max_positions, head_dim, dtype=dtype), persistent=False
+        )
+        self.register_buffer(
+            "sin", torch.empty(max_positions, head_dim, dtype=dtype), persistent=False
+        )
+        self.init_tables()
+
+    def init_tables(self) -> None:
+        """(Re)compute the tables on the buffers' device, e.g. after `to_empty`."""
+        device = self.cos.device
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        freqs = (
+            torch.arange(self.max_positions, dtype=torch.float32, device=device)[:, None]
+            * inv_freq[None, :]
+        )
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.cos = emb.cos().to(self.dtype)
+        self.sin = emb.sin().to(self.dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q: [T, H, D], k: [T, KVH, D]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return nn.functional.silu(gate) * up

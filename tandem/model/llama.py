@@ -1,0 +1,116 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2): one decoder, differing only in config.
+
+Parameter names follow the HF checkpoints, except that q/k/v and gate/up projections are
+fused into one matmul each; `stacked_params` tells the loader where each shard goes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tandem.model.attention import PagedAttention
+from tandem.model.config import ModelConfig
+from tandem.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rotary = rotary
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype
+        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint shard name -> (fused parameter name, shard index)
+    stacked_params = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, dtype, max_positions)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [N, vocab]
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def shard_sizes(self, fused: str) -> list[int]:
+        attn = self.model.layers[0].self_attn
+        if fused == "qkv_proj":
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        return [self.config.intermediate_size] * 2

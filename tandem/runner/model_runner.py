@@ -1,0 +1,63 @@
+"""ModelRunner: owns the KV tensors, runs the model on a plan and samples. It never decides
+what runs; it computes exactly the plan it is given."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.core.scheduler import SchedulerOutput
+from tandem.model.attention import attention_fn, forward_context
+from tandem.model.config import ModelConfig
+from tandem.runner.input_batch import prepare_inputs
+from tandem.runner.sampler import Sampler
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int]  # request id -> new token
+    logprobs: dict[str, tuple[list[int], list[float], int]]  # only for requests that asked
+
+
+class ModelRunner:
+    def __init__(
+        self, model, cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device, seed: int
+    ) -> None:
+        self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
+        # [layers, 2, blocks, block_size, kv_heads, head_dim]; zeroed so unwritten slots are
+        # finite (they are masked, but NaN * 0 is still NaN).
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        attend = attention_fn(dtype, device)
+        for i, attn in enumerate(model.attention_layers()):
+            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+            attn.attend = attend
+        self.sampler = Sampler(seed, device)
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        self.sampler.forget(plan.finished_ids)
+        inputs = prepare_inputs(plan.scheduled, self.block_size, self.device)
+        with forward_context(inputs.attn):
+            hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+        if not inputs.sample_rows:
+            return RunnerOutput({}, {})
+        logits = self.model.compute_logits(hidden[inputs.sample_index])  # [S, vocab]
+        reqs = [s.request for s in inputs.sample_rows]
+        result = self.sampler.sample(
+            logits,
+            [r.request_id for r in reqs],
+            [r.sampling_params for r in reqs],
+            [r.all_token_ids for r in reqs],
+            [r.num_prompt_tokens for r in reqs],
+        )
+        ids = [r.request_id for r in reqs]
+        return RunnerOutput(
+            sampled=dict(zip(ids, result.token_ids)),
+            logprobs={rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None},
+        )
