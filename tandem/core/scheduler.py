@@ -34,11 +34,11 @@ class ScheduledRequest:
     request: Request
     start: int  # first position computed this step (= num_computed_tokens when scheduled)
     num_new_tokens: int
+    sample: bool  # the chunk reaches the request's last known token: sample the next one
 
-    @property
-    def sample(self) -> bool:
-        """Does this chunk reach the request's last known token, so a new one is sampled?"""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    @classmethod
+    def of(cls, request: Request, start: int, num_new_tokens: int) -> ScheduledRequest:
+        return cls(request, start, num_new_tokens, start + num_new_tokens == request.num_tokens)
 
 
 @dataclass
@@ -161,7 +161,7 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if self.kv.allocate_slots(req, n):
-                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n))
+                out.scheduled.append(ScheduledRequest.of(req, req.num_computed_tokens, n))
                 budget -= n
                 i += 1
                 continue
@@ -188,7 +188,7 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_cached, n))
+            out.scheduled.append(ScheduledRequest.of(req, num_cached, n))
             budget -= n
 
     def update(self, plan: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:

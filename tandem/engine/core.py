@@ -43,6 +43,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None  # monotonic clock, for queue-time metrics
 
 
 @dataclass
@@ -174,6 +175,9 @@ class EngineCore:
                     finish_reason=req.finish_reason,
                     stop_reason=req.stop_reason,
                     num_cached_tokens=req.num_cached_tokens,
+                    first_scheduled_time=req.first_scheduled_time
+                    if req.num_output_tokens == 1
+                    else None,
                 )
             )
         return outputs

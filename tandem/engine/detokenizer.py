@@ -30,6 +30,14 @@ class IncrementalDetokenizer:
             return full[len(prefix) :]
         return ""
 
+    def flush(self) -> str:
+        """At the end: whatever is still held back (an incomplete character decodes as U+FFFD),
+        so the full text equals decoding all the tokens."""
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix) :]
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(
             ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False

@@ -140,10 +140,13 @@ class OutputProcessor:
                 continue
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
+                parent.metrics.first_scheduled_time = out.first_scheduled_time
                 parent.num_cached_tokens = out.num_cached_tokens
             parent.metrics.last_token_time = now
             for token in out.new_token_ids:
                 self._append(seq, token, out.logprobs)
+            if seq.finish_reason is None and out.finish_reason is not None:
+                self._add_text(seq, seq.detok.flush())
             if seq.finish_reason is None and out.finish_reason is not None:
                 seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
             elif seq.finish_reason is not None and out.finish_reason is None:
@@ -168,7 +171,9 @@ class OutputProcessor:
                 entry.setdefault(tid, Logprob(lp, r, self._token_text(tid)))
             seq.logprobs.append(entry)
             seq.cumulative_logprob += lps[0]
-        delta = seq.detok.push(token)
+        self._add_text(seq, seq.detok.push(token))
+
+    def _add_text(self, seq: _Sequence, delta: str) -> None:
         if not delta:
             return
         before = len(seq.text)

@@ -1,0 +1,187 @@
+"""The engine core in its own process, talking to the server over ZeroMQ, as vLLM v1 does.
+
+    server (AsyncLLM) ──PUSH: add | abort | shutdown──▶ core
+    server (AsyncLLM) ◀──PUSH: ready, then outputs + stats── core
+
+The core drains every pending message before each step and blocks on its socket only when
+it has no work, so a model step never waits on HTTP and HTTP never waits on a step. It dies
+with its parent: PR_SET_PDEATHSIG on Linux, and a check of the parent's pid while idle.
+
+Run as `python -m tandem.engine.core_proc` by `AsyncLLM`; not meant to be started by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+
+import msgspec
+import zmq
+
+from tandem.engine.core import EngineCoreOutput, EngineCoreRequest, EngineStats
+
+log = logging.getLogger("tandem")
+
+# Message kinds, server -> core: the first frame of a multipart message.
+ADD, ABORT, SHUTDOWN = b"add", b"abort", b"shutdown"
+_IDLE_POLL_MS = 500
+
+
+class CoreReady(msgspec.Struct, tag="ready", array_like=True):
+    pid: int
+    model_path: str
+    max_model_len: int
+    max_request_tokens: int  # the most tokens one request may hold: model limit or KV pool
+    vocab_size: int
+
+
+class CoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    stats: EngineStats | None = None
+    rejected: list[tuple[str, str]] = []  # (request id, reason): adds the core refused
+
+
+class CoreFailed(msgspec.Struct, tag="failed", array_like=True):
+    message: str
+
+
+CoreMessage = CoreReady | CoreOutputs | CoreFailed
+
+
+class EngineCoreProc:
+    """The busy loop around an EngineCore."""
+
+    def __init__(self, core, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
+        self.core = core
+        self.inbox, self.outbox = inbox, outbox
+        self.parent_pid = parent_pid
+        self.encoder = msgspec.msgpack.Encoder()
+        self.request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+        self.abort_decoder = msgspec.msgpack.Decoder(list[str])
+        self.rejected: list[tuple[str, str]] = []
+        self.stopping = False
+
+    def run(self) -> None:
+        while not self.stopping:
+            got = self._drain(block=not self.core.has_unfinished())
+            if self.stopping:
+                break
+            if self.core.has_unfinished():
+                self._send(self.core.step())
+            elif got:
+                self._send([])  # aborts freed blocks: let the server's metrics see it
+
+    def _drain(self, block: bool) -> int:
+        """Handle every pending message; when `block`, first wait for one."""
+        if block:
+            while not self.inbox.poll(_IDLE_POLL_MS):
+                self._exit_if_orphaned()
+        else:
+            self._exit_if_orphaned()
+        handled = 0
+        while True:
+            try:
+                frames = self.inbox.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return handled
+            self._handle(frames)
+            handled += 1
+
+    def _handle(self, frames: list[bytes]) -> None:
+        kind = frames[0]
+        if kind == ADD:
+            request = self.request_decoder.decode(frames[1])
+            try:
+                self.core.add_request(request)
+            except ValueError as e:
+                self.rejected.append((request.request_id, str(e)))
+        elif kind == ABORT:
+            self.core.abort_requests(self.abort_decoder.decode(frames[1]))
+        elif kind == SHUTDOWN:
+            self.stopping = True
+
+    def _send(self, outputs: list[EngineCoreOutput]) -> None:
+        msg = CoreOutputs(outputs, self.core.stats(), self.rejected)
+        self.rejected = []
+        self.outbox.send(self.encoder.encode(msg), copy=False)
+
+    def _exit_if_orphaned(self) -> None:
+        if os.getppid() != self.parent_pid:
+            log.warning("engine core: the server (pid %d) is gone; exiting", self.parent_pid)
+            os._exit(1)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to kill this process when the parent dies; then check it has not already."""
+    if sys.platform.startswith("linux"):
+        try:
+            pr_set_pdeathsig = 1
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="tandem engine core process (started by the server)")
+    p.add_argument("--inbox", required=True, help="ZMQ address to receive requests on")
+    p.add_argument("--outbox", required=True, help="ZMQ address to send outputs to")
+    p.add_argument("--parent-pid", type=int, required=True)
+    p.add_argument("--config", required=True, help="EngineConfig as JSON")
+    args = p.parse_args(argv)
+    _die_with_parent(args.parent_pid)
+    # SIGINT goes to the whole process group on Ctrl-C; the server decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s core %(levelname)s %(message)s")
+
+    ctx = zmq.Context()
+    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.connect(args.inbox)
+    outbox.connect(args.outbox)
+    outbox.setsockopt(zmq.LINGER, 5000)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        core = _build_core(json.loads(args.config))
+    except Exception as e:  # report any startup failure to the server, which exits with it
+        message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        outbox.send(encoder.encode(CoreFailed(message)))
+        ctx.destroy(linger=5000)
+        return 1
+    outbox.send(encoder.encode(_ready(core)))
+    proc = EngineCoreProc(core, inbox, outbox, args.parent_pid)
+    try:
+        proc.run()
+    except Exception as e:
+        log.exception("engine core failed")
+        outbox.send(encoder.encode(CoreFailed(f"engine core failed: {type(e).__name__}: {e}")))
+        ctx.destroy(linger=2000)
+        return 1
+    ctx.destroy(linger=1000)
+    return 0
+
+
+def _build_core(config: dict):
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.core import EngineCore
+
+    return EngineCore(EngineConfig(**config))
+
+
+def _ready(core) -> CoreReady:
+    return CoreReady(
+        pid=os.getpid(),
+        model_path=str(core.model_path),
+        max_model_len=core.max_model_len,
+        max_request_tokens=core.scheduler.max_request_tokens,
+        vocab_size=core.model_config.vocab_size,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

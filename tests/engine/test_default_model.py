@@ -1,0 +1,35 @@
+"""The bundled default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against HF transformers
+loading the same GGUF: the first 32 greedy tokens of a chat prompt are identical."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.model.loader import default_model_path
+
+
+def test_default_model_first_32_greedy_tokens_equal_hf_on_the_same_gguf():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = default_model_path()
+    messages = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
+
+    llm = LLM(dtype="float32", kv_cache_memory=0.1, max_model_len=512)
+    ours = llm.chat(
+        messages, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False
+    )[0]
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    ids = tok.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    assert ours.prompt_token_ids == list(ids)
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32, pad_token_id=0)
+    assert ours.outputs[0].token_ids == ref[0, len(ids) :].tolist()
+    assert ours.outputs[0].text.strip()  # real words, not noise

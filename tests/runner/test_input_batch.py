@@ -1,0 +1,64 @@
+"""prepare_inputs against hand-computed positions, slots, block tables and masks."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.core.request import Request
+from tandem.core.sampling_params import SamplingParams
+from tandem.core.scheduler import ScheduledRequest
+from tandem.runner.input_batch import prepare_inputs
+
+CPU = torch.device("cpu")
+
+
+def req(rid, tokens, blocks):
+    r = Request(rid, tokens, SamplingParams())
+    r.block_ids = blocks
+    return r
+
+
+def test_decodes_come_first_then_prefill_chunks_with_positions_and_slots():
+    # block_size 4. "d": 6 tokens, computing position 5 in block 7 (its blocks [3, 7]).
+    # "p": a 10-token prompt, chunk [4, 9) in blocks [5, 2, 9], not reaching the end.
+    d = req("d", list(range(10, 16)), [3, 7])
+    p = req("p", list(range(20, 30)), [5, 2, 9])
+    plan = [ScheduledRequest.of(p, 4, 5), ScheduledRequest.of(d, 5, 1)]
+    x = prepare_inputs(plan, 4, CPU)
+    assert x.input_ids.tolist() == [15, 24, 25, 26, 27, 28]
+    assert x.positions.tolist() == [5, 4, 5, 6, 7, 8]
+    # pos 5 of d -> block 7 offset 1 = 29; p pos 4..7 -> block 2 (8..11), pos 8 -> block 9 (36)
+    assert x.attn.slot_mapping.tolist() == [29, 8, 9, 10, 11, 36]
+    assert x.sample_index.tolist() == [0]  # only d reaches its last token
+    assert [s.request.request_id for s in x.sample_rows] == ["d"]
+
+    single, chunk = x.attn.groups
+    assert single.token_slice == slice(0, 1) and chunk.token_slice == slice(1, 6)
+    assert single.block_tables.tolist() == [[3, 7]]
+    assert single.mask.tolist() == [[[True] * 6 + [False] * 2]]  # keys 0..5 of 8
+    assert chunk.block_tables.tolist() == [[5, 2, 9]]
+    # query i (position 4 + i) sees keys 0 .. 4 + i of 12
+    assert chunk.mask[0].int().tolist() == [[1] * (5 + i) + [0] * (7 - i) for i in range(5)]
+    assert chunk.scatter_index is None
+
+
+def test_chunks_of_different_lengths_are_padded_and_scattered():
+    a = req("a", [1, 2, 3], [4])
+    b = req("b", [5, 6], [6])
+    x = prepare_inputs([ScheduledRequest.of(a, 0, 3), ScheduledRequest.of(b, 0, 2)], 4, CPU)
+    (g,) = x.attn.groups
+    assert g.shape == (2, 3)
+    assert g.scatter_index.tolist() == [0, 1, 2, 3, 4]  # b's third query slot (5) is padding
+    assert g.mask[1, 2].tolist() == [True, False, False, False]  # padding sees key 0 only
+    assert g.mask[1, 1].tolist() == [True, True, False, False]
+    assert g.block_tables.tolist() == [[4], [6]]
+    assert x.sample_index.tolist() == [2, 4]
+
+
+def test_block_tables_are_null_padded_to_the_longest_row():
+    a = req("a", list(range(9)), [1, 2, 3])
+    b = req("b", [1, 2], [8])
+    x = prepare_inputs([ScheduledRequest.of(a, 8, 1), ScheduledRequest.of(b, 1, 1)], 4, CPU)
+    (g,) = x.attn.groups
+    assert g.block_tables.tolist() == [[1, 2, 3], [8, 0, 0]]
+    assert g.mask[1, 0].tolist() == [True, True] + [False] * 10
