@@ -1,7 +1,9 @@
 """Attention over a paged KV cache on this machine: which formulation is fastest?
 
 Times one layer of decode (single-token queries) and prefill (one long chunk) for the default
-model's head shapes, several ways, and prints each relative to the one tandem uses.
+model's head shapes, several ways, and prints each relative to the torch path tandem uses for
+the dtype (attention_fn). Decode also times the C++ kernel, which reads the paged cache in
+place (tandem/model/kernels; TANDEM_NO_CPP_KERNELS=1 leaves it out).
 
     python benchmarks/attention_backends.py [--dtype float32|bfloat16]
 """
@@ -14,20 +16,25 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tandem.model.attention import grouped_attention
+from tandem.model import kernels
+from tandem.model.attention import attention_fn, grouped_attention, sdpa_attention
 
 H, KVH, D, BS, NBLOCKS = 9, 3, 64, 16, 4096
 
 
-def best_ms(fn, repeat=7, number=10):
-    fn()
-    times = []
+def best_ms(fns, repeat=7, number=10):
+    """Best of `repeat` runs, ms per call, for each fn; the runs interleave across fns so load
+    from other processes on a shared machine falls on all of them alike."""
+    for fn in fns.values():
+        fn()
+    best = dict.fromkeys(fns, float("inf"))
     for _ in range(repeat):
-        t = time.perf_counter()
-        for _ in range(number):
-            fn()
-        times.append((time.perf_counter() - t) / number)
-    return min(times) * 1e3
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            for _ in range(number):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - t) / number)
+    return {name: t * 1e3 for name, t in best.items()}
 
 
 def cases(b, q, ctx, dtype):
@@ -59,15 +66,22 @@ def cases(b, q, ctx, dtype):
         k, v = kc[bt].view(b, ctx, KVH, D), vc[bt].view(b, ctx, KVH, D)
         return grouped_attention(qt, k, v, mask, scale)
 
-    ref = tandem().float()
-    for name, fn in (("sdpa", sdpa), ("cache[block_tables] gather", advanced_index_gather)):
-        err = (fn().float() - ref).abs().max().item()
-        assert err < 1e-2, f"{name} disagrees by {err}"
-    return {
-        "tandem (index_select + grouped matmul)": tandem,
-        "sdpa enable_gqa": sdpa,
+    fns = {
+        "index_select + grouped matmul": tandem,
+        "index_select + sdpa enable_gqa": sdpa,
         "cache[block_tables] + grouped matmul": advanced_index_gather,
     }
+    decode = kernels.paged_decode_attention()
+    if q == 1 and decode is not None:
+        lens = torch.full((b,), ctx)
+        fns["C++ paged decode kernel (no gather)"] = lambda: decode(
+            qt[:, 0], kc, vc, bt, lens, scale
+        )[:, None]
+    ref = tandem().float()
+    for name, fn in fns.items():
+        err = (fn().float() - ref).abs().max().item()
+        assert err < 1e-2, f"{name} disagrees by {err}"
+    return fns
 
 
 def main():
@@ -76,6 +90,11 @@ def main():
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.set_grad_enabled(False)
+    torch_path = {
+        grouped_attention: "index_select + grouped matmul",
+        sdpa_attention: "index_select + sdpa enable_gqa",
+    }[attention_fn(dtype, torch.device("cpu"))]
+    print(f"{torch.get_num_threads()} threads; x: time / tandem's torch path ({torch_path})")
     for label, b, q, ctx in (
         ("decode", 32, 1, 256),
         ("decode", 64, 1, 512),
@@ -83,8 +102,8 @@ def main():
         ("prefill", 1, 512, 2048),
     ):
         fns = cases(b, q, ctx, dtype)
-        times = {k: best_ms(f) for k, f in fns.items()}
-        base = times["tandem (index_select + grouped matmul)"]
+        times = best_ms(fns)
+        base = times[torch_path]
         print(f"{label} batch={b} query={q} context={ctx} ({args.dtype}), ms per layer:")
         for k, t in times.items():
             print(f"  {k:42s} {t:8.3f}  x{t / base:.2f}")

@@ -17,7 +17,6 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Protocol
 
 import msgspec
@@ -88,17 +87,69 @@ class _Collector:
         return output
 
 
+class RequestStream:
+    """A request's cumulative outputs as they grow; the last one is finished. Closing it
+    before then (the client went away) aborts the request in the core."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str, collector: _Collector) -> None:
+        self.engine, self.request_id, self._collector = engine, request_id, collector
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            output = await self._collector.get()
+        except BaseException:  # cancelled (client gone), aborted, engine dead
+            self.close()
+            raise
+        if output.finished:
+            self.finished = True
+            self.engine._release(self.request_id, abort=False)
+        return output
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine._release(self.request_id, abort=True)
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+@dataclasses.dataclass
+class _CoreLink:
+    """The core process and the sockets to it."""
+
+    proc: subprocess.Popen
+    ctx: zmq.asyncio.Context
+    inbox: zmq.asyncio.Socket  # we push requests; named from the core's side
+    outbox: zmq.asyncio.Socket  # we pull outputs
+    tmpdir: tempfile.TemporaryDirectory  # holds the ipc socket files
+
+    def close(self) -> None:
+        _kill(self.proc)
+        self.ctx.destroy(linger=0)
+        self.tmpdir.cleanup()
+
+
 class AsyncLLM:
-    def __init__(self, proc: subprocess.Popen, ready: CoreReady, ctx, inbox, outbox, tmpdir):
-        self.proc = proc
+    """Create with `await AsyncLLM.start(config)`."""
+
+    def __init__(self, config: EngineConfig, link: _CoreLink, ready: CoreReady, tokenizer):
+        self.config = config
+        self.proc = link.proc
+        self._link, self._inbox, self._outbox = link, link.inbox, link.outbox
         self.core_pid = ready.pid
         self.model_path = ready.model_path
         self.max_model_len = ready.max_model_len
         self.max_request_tokens = ready.max_request_tokens
         self.vocab_size = ready.vocab_size
-        self._ctx, self._inbox, self._outbox, self._tmpdir = ctx, inbox, outbox, tmpdir
-        self.tokenizer = None
-        self.processor: OutputProcessor | None = None
+        self.tokenizer = tokenizer
+        self.processor = OutputProcessor(tokenizer)
         self.observer: Observer | None = None
         self.stats: EngineStats | None = None
         self.dead: str | None = None  # why the core died, once it has
@@ -117,9 +168,11 @@ class AsyncLLM:
         out_addr = f"ipc://{tmpdir.name}/out"
         ctx = zmq.asyncio.Context()
         inbox, outbox = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)  # named from the core's side
+        inbox.setsockopt(zmq.LINGER, 0)
+        inbox.setsockopt(zmq.SNDHWM, 0)  # never drop or block an add: the core drains all
+        outbox.setsockopt(zmq.RCVHWM, 0)
         inbox.bind(in_addr)
         outbox.bind(out_addr)
-        inbox.setsockopt(zmq.LINGER, 0)
         cmd = [
             sys.executable, "-m", "tandem.engine.core_proc",
             "--inbox", in_addr, "--outbox", out_addr,
@@ -127,17 +180,18 @@ class AsyncLLM:
             "--config", json.dumps(dataclasses.asdict(config)),
         ]  # fmt: skip
         # Started from the main thread: PR_SET_PDEATHSIG fires when the starting thread exits.
-        proc = subprocess.Popen(cmd, start_new_session=False)
+        link = _CoreLink(subprocess.Popen(cmd), ctx, inbox, outbox, tmpdir)
+        # Load the tokenizer while the core loads the model, when we know where it is (a GGUF
+        # file's tokenizer appears only once the core has converted it).
+        early = _tokenizer_folder(config)
+        loading = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, early)) if early else None
         try:
-            ready = await _wait_ready(proc, outbox)
+            ready = await _wait_ready(link.proc, outbox)
+            tokenizer = await loading if loading else load_tokenizer(ready.model_path)
         except BaseException:
-            _kill(proc)
-            ctx.destroy(linger=0)
-            tmpdir.cleanup()
+            link.close()
             raise
-        engine = cls(proc, ready, ctx, inbox, outbox, tmpdir)
-        engine.tokenizer = load_tokenizer(config.tokenizer or ready.model_path)
-        engine.processor = OutputProcessor(engine.tokenizer)
+        engine = cls(config, link, ready, tokenizer)
         engine._tasks = [
             asyncio.create_task(engine._output_loop()),
             asyncio.create_task(engine._watch_core()),
@@ -158,50 +212,47 @@ class AsyncLLM:
             deadline = time.monotonic() + timeout
             while self.proc.poll() is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
-            _kill(self.proc)
-        self._ctx.destroy(linger=0)
-        self._tmpdir.cleanup()
+        self._link.close()
 
     # ---- requests ------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        """Sequences sent to the core that have not produced a token yet."""
-        return len(self._unscheduled)
+        """Sequences waiting for room in the running batch, as best known now: the core's
+        count at its last step, or those sent without a token yet beyond the batch's free
+        slots, whichever is more."""
+        stats = self.stats
+        running, waiting = (stats.num_running, stats.num_waiting) if stats else (0, 0)
+        free = max(0, self.config.max_num_seqs - running)
+        return max(waiting, len(self._unscheduled) - free)
 
     @property
     def num_in_flight(self) -> int:
         return len(self._collectors)
 
-    async def generate(
+    def add_request(
         self,
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative output as it grows; the last one is finished.
-        Closing the generator early (a client went away) aborts the request in the core."""
+    ) -> RequestStream:
+        """Send the request to the core now; iterate the stream for its outputs."""
         if self.dead:
             raise EngineDeadError(self.dead)
         request_id = request_id or uuid.uuid4().hex
-        collector = _Collector()
         core_requests = self.processor.add_request(
             request_id, prompt, prompt_token_ids, params, time.monotonic(), priority
         )
-        self._collectors[request_id] = collector
+        collector = self._collectors[request_id] = _Collector()
         for creq in core_requests:
             self._unscheduled.add(creq.request_id)
             self._send(ADD, self._encoder.encode(creq))
-        finished = False
-        try:
-            while not finished:
-                output = await collector.get()
-                finished = output.finished
-                yield output
-        finally:
-            if self._collectors.pop(request_id, None) is not None and not finished:
-                self.abort(request_id)
+        return RequestStream(self, request_id, collector)
+
+    def _release(self, request_id: str, abort: bool) -> None:
+        if self._collectors.pop(request_id, None) is not None and abort:
+            self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         ids = self.processor.child_ids(request_id)
@@ -214,7 +265,8 @@ class AsyncLLM:
 
     def abort_all(self, error: Exception) -> None:
         """End every request in flight; their generators raise `error`."""
-        for request_id, collector in list(self._collectors.items()):
+        for request_id in list(self._collectors):
+            collector = self._collectors.pop(request_id)
             self.abort(request_id)
             collector.fail(error)
 
@@ -225,12 +277,16 @@ class AsyncLLM:
     # ---- background tasks ------------------------------------------------------------
     async def _output_loop(self) -> None:
         decoder = msgspec.msgpack.Decoder(CoreMessage)
-        while True:
-            msg = decoder.decode(await self._outbox.recv(copy=False))
-            if isinstance(msg, CoreFailed):
-                self._fail(msg.message)
-                return
-            self._handle(msg)
+        try:
+            while True:
+                msg = decoder.decode(await self._outbox.recv(copy=False))
+                if isinstance(msg, CoreFailed):
+                    self._fail(msg.message)
+                    return
+                self._handle(msg)
+        except Exception as e:  # a bug here would hang every request: fail them instead
+            log.exception("processing the engine core's outputs failed")
+            self._fail(f"processing outputs failed: {type(e).__name__}: {e}")
 
     def _handle(self, msg: CoreOutputs) -> None:
         if msg.stats is not None:
@@ -253,8 +309,9 @@ class AsyncLLM:
                 collector.put(output)
 
     def _reject(self, child_id: str, reason: str) -> None:
-        for request_id, collector in list(self._collectors.items()):
+        for request_id in list(self._collectors):
             if child_id in self.processor.child_ids(request_id):
+                collector = self._collectors.pop(request_id)
                 self.abort(request_id)
                 collector.fail(RequestAbortedError(reason))
 
@@ -285,6 +342,14 @@ async def _wait_ready(proc: subprocess.Popen, outbox) -> CoreReady:
                 return msg
         elif proc.poll() is not None and not await outbox.poll(200):
             raise ValueError(f"engine core process exited with code {proc.returncode} at startup")
+
+
+def _tokenizer_folder(config: EngineConfig) -> str | None:
+    if config.tokenizer:
+        return config.tokenizer
+    if config.model and os.path.isfile(os.path.join(config.model, "config.json")):
+        return config.model
+    return None
 
 
 def _kill(proc: subprocess.Popen) -> None:

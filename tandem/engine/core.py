@@ -103,6 +103,7 @@ class EngineCore:
             config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
         self.scheduler = Scheduler(sched_cfg, kv, clock)
+        self.last_step_timings: dict[str, float] = {}
         log.info(
             "engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
             mcfg.architecture,
@@ -156,10 +157,13 @@ class EngineCore:
 
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        t1 = time.perf_counter()
         result = self.runner.execute(plan)
+        t2 = time.perf_counter()
         self.scheduler.update(plan, result.sampled)
         outputs = []
         for s in plan.scheduled:
@@ -180,6 +184,11 @@ class EngineCore:
                     else None,
                 )
             )
+        self.last_step_timings = {
+            "schedule": t1 - t0,
+            **self.runner.timings,
+            "update": time.perf_counter() - t2,
+        }
         return outputs
 
     def stats(self) -> EngineStats:

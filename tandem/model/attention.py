@@ -7,7 +7,8 @@ Per layer: write this step's K and V into their slots, then attend group by grou
 a set of rows with a padded query length: single-token rows (decodes) in one group, longer
 chunks (prefills) in another, so a long chunk never pads 31 decodes to its length. Keys are
 gathered from the cache through block tables, with this step's keys already written, so a
-row can read blocks another row fills in the same step.
+row can read blocks another row fills in the same step. On the CPU the decode group skips the
+gather: a C++ kernel (tandem/model/kernels) reads K and V through the block tables in place.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class AttentionGroup:
     token_slice: slice  # this group's rows in the flat token batch
     block_tables: torch.Tensor  # [B, num_blocks] long, null-padded
     mask: torch.Tensor  # [B, Q, L] bool: key visible to query
+    context_lens: torch.Tensor  # [B] long: keys each row sees after this step
     scatter_index: (
         torch.Tensor | None
     )  # [tokens] long: flat token -> padded B*Q slot (None: no padding)
@@ -58,6 +60,9 @@ class PagedAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.attend = sdpa_attention  # the runner picks per dtype and device: attention_fn()
+        # (q [B, H, D], k_cache, v_cache, block_tables, context_lens, scale) -> [B, H, D]:
+        # attention for single-token rows straight from the paged cache, when the runner has one
+        self.decode_kernel = None
         # [num_blocks, block_size, kv_heads, head_dim] each; bound by the runner.
         self.k_cache = self.v_cache = torch.empty(0)
 
@@ -73,6 +78,11 @@ class PagedAttention(nn.Module):
     def _attend_group(self, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
         b, qlen = g.shape
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if qlen == 1 and self.decode_kernel is not None:
+            out = self.decode_kernel(
+                q, self.k_cache, self.v_cache, g.block_tables, g.context_lens, self.scale
+            )
+            return out.view(b, h * d)  # [B, H, D] -> [B, H * D]
         if g.scatter_index is not None:
             padded = q.new_zeros(b * qlen, h, d)
             padded[g.scatter_index] = q

@@ -116,5 +116,6 @@ def _group(token_slice, starts, lens, tables, block_size, device) -> AttentionGr
         token_slice=token_slice,
         block_tables=torch.from_numpy(np.ascontiguousarray(tables[:, :num_blocks])).to(device),
         mask=mask.to(device),
+        context_lens=torch.from_numpy(ctx).to(device),
         scatter_index=None if scatter is None else scatter.to(device),
     )

@@ -3,13 +3,16 @@ what runs; it computes exactly the plan it is given."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from tandem.core.scheduler import SchedulerOutput
+from tandem.model import kernels
 from tandem.model.attention import attention_fn, forward_context
 from tandem.model.config import ModelConfig
+from tandem.model.packed_linear import pack_linears, packing_available
 from tandem.runner.input_batch import prepare_inputs
 from tandem.runner.sampler import Sampler
 
@@ -29,25 +32,40 @@ class ModelRunner:
         self, model, cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device, seed: int
     ) -> None:
         self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
+        if packing_available(dtype, device):
+            pack_linears(model)
         # [layers, 2, blocks, block_size, kv_heads, head_dim]; zeroed so unwritten slots are
         # finite (they are masked, but NaN * 0 is still NaN).
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         attend = attention_fn(dtype, device)
+        # On the CPU, decodes skip the KV gather: a C++ kernel reads the paged cache in place
+        # (built on first use, ~40 s once; None where it cannot be built).
+        decode_kernel = (
+            kernels.paged_decode_attention()
+            if device.type == "cpu" and cfg.head_dim % 8 == 0
+            else None
+        )
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-            attn.attend = attend
+            attn.attend, attn.decode_kernel = attend, decode_kernel
         self.sampler = Sampler(seed, device)
+        # Seconds spent in each phase of the last execute(); benchmarks read it.
+        self.timings: dict[str, float] = {}
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        t0 = time.perf_counter()
         self.sampler.forget(plan.finished_ids)
         inputs = prepare_inputs(plan.scheduled, self.block_size, self.device)
+        t1 = time.perf_counter()
         with forward_context(inputs.attn):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+            logits = self.model.compute_logits(hidden[inputs.sample_index])  # [S, vocab]
+        t2 = time.perf_counter()
+        self.timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": 0.0}
         if not inputs.sample_rows:
             return RunnerOutput({}, {})
-        logits = self.model.compute_logits(hidden[inputs.sample_index])  # [S, vocab]
         reqs = [s.request for s in inputs.sample_rows]
         result = self.sampler.sample(
             logits,
@@ -57,6 +75,7 @@ class ModelRunner:
             [r.num_prompt_tokens for r in reqs],
         )
         ids = [r.request_id for r in reqs]
+        self.timings["sample"] = time.perf_counter() - t2
         return RunnerOutput(
             sampled=dict(zip(ids, result.token_ids)),
             logprobs={rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None},

@@ -1,0 +1,92 @@
+"""Compile the C++ sources with torch.utils.cpp_extension on first use.
+
+torch caches the built module in its extensions directory (TORCH_EXTENSIONS_DIR, default
+~/.cache/torch_extensions) under a name hashed from the source, the flags, the torch version
+and this CPU's feature flags, so an edit or a torch upgrade rebuilds and a cache shared across
+machines never loads code built for another instruction set. A build takes ~30 s of CPU once;
+later processes load it in well under a second.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def enabled() -> bool:
+    return os.environ.get("TANDEM_NO_CPP_KERNELS", "") in ("", "0")
+
+
+def paged_decode_attention():
+    """The decode kernel `(q, k_cache, v_cache, block_tables, context_lens, scale) -> out`,
+    or None: use the torch path. See paged_attention.cpp for shapes."""
+    if not enabled():
+        return None
+    module = _load()
+    return None if module is None else module.paged_decode_attention
+
+
+@functools.cache
+def _load():
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        log.info("C++ kernels are built for x86 only; using the torch attention path")
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        cflags = CFLAGS + _vec_flags()
+        t0 = time.perf_counter()
+        module = load(
+            name=f"tandem_paged_attention_{_build_tag(cflags)}",
+            sources=[str(SOURCE)],
+            extra_cflags=cflags,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, a compile error: the torch path works
+        first_line = next(iter(str(e).splitlines()), "")
+        log.info(
+            "C++ kernels unavailable (%s: %s); using the torch path", type(e).__name__, first_line
+        )
+        log.debug("C++ kernel build failed", exc_info=True)
+        return None
+    if (seconds := time.perf_counter() - t0) > 1:
+        log.info("built the C++ kernels in %.0f s (cached for later starts)", seconds)
+    return module
+
+
+def _vec_flags() -> list[str]:
+    """at::vec's 8-lane AVX2 Vectorized<float> where the CPU has AVX2 and FMA, else its
+    portable default."""
+    flags = set(_cpu_flags().split())
+    if {"avx2", "fma", "f16c"} <= flags:
+        return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return ["-DCPU_CAPABILITY=DEFAULT"]
+
+
+def _build_tag(cflags: list[str]) -> str:
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(" ".join(cflags).encode())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    return h.hexdigest()[:12]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()

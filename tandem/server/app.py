@@ -1,0 +1,164 @@
+"""The FastAPI app: routes, the gate in front of them (draining, API key), error mapping."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from tandem import __version__
+from tandem.engine.async_llm import EngineDeadError, RequestAbortedError
+from tandem.server.chat import chat_prompt, create_chat_completion
+from tandem.server.completions import create_completion
+from tandem.server.errors import (
+    APIError,
+    bad_request,
+    error_response,
+    server_error,
+    unauthorized,
+    unavailable,
+)
+from tandem.server.metrics import Metrics
+from tandem.server.protocol import DetokenizeRequest, TokenizeRequest, parse
+from tandem.server.serving import Serving
+from tandem.server.streaming import json_response
+
+_UNGATED = ("/metrics",)  # answers even while draining
+
+
+@dataclass
+class ServerState:
+    serving: Serving
+    metrics: Metrics
+    api_key: str | None = None
+    draining: bool = False
+    in_flight: int = 0  # requests inside the app, streaming responses until their last byte
+
+
+class Gate:
+    """Pure ASGI middleware: 503 while draining, the API key on /v1, in-flight counting."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app, self.state = app, state
+        self._expected = f"Bearer {state.api_key}".encode() if state.api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in _UNGATED:
+            return await self.app(scope, receive, send)
+        if self.state.draining:
+            error = unavailable("The server is shutting down.")
+            return await error.response()(scope, receive, send)
+        if self._expected and scope["path"].startswith("/v1") and not self._authorized(scope):
+            return await unauthorized().response()(scope, receive, send)
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.in_flight -= 1
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                return hmac.compare_digest(value, self._expected)  # constant time
+        return False
+
+
+def build_app(state: ServerState) -> FastAPI:
+    serving = state.serving
+    engine = serving.engine
+    app = FastAPI(title="tandem", version=__version__, openapi_url=None)
+    app.add_middleware(Gate, state=state)
+    _add_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(serving, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(serving, request)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": serving.created,
+                "owned_by": "tandem",
+                "root": engine.model_path,
+                "parent": None,
+                "max_model_len": engine.max_model_len,
+            }
+            for name in serving.served_names
+        ]
+        return json_response({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.dead:
+            raise server_error(f"the engine is dead: {engine.dead}")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return json_response({"version": __version__})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req = parse(TokenizeRequest, await request.body())
+        serving.check_model(req.model)
+        if req.messages is not None:
+            ids = chat_prompt(serving, req.messages, req.add_generation_prompt).token_ids
+        elif req.prompt is not None:
+            special = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = serving.tokenizer.encode(req.prompt, add_special_tokens=special)
+        else:
+            raise bad_request("prompt: give a prompt or messages", "prompt")
+        body = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+        return json_response(body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req = parse(DetokenizeRequest, await request.body())
+        serving.check_model(req.model)
+        vocab = engine.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"tokens: token id {bad} is out of range [0, {vocab})", "tokens")
+        return json_response({"prompt": serving.tokenizer.decode(req.tokens)})
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> Response:
+        return e.response()
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, e: EngineDeadError) -> Response:
+        return server_error(f"the engine is dead: {e}").response()
+
+    @app.exception_handler(RequestAbortedError)
+    async def aborted(_: Request, e: RequestAbortedError) -> Response:
+        return unavailable(f"request aborted: {e}").response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, e: Exception) -> Response:
+        return server_error(f"internal error: {type(e).__name__}: {e}").response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException) -> Response:
+        kind = "not_found" if e.status_code == 404 else "invalid_request_error"
+        return error_response(e.status_code, str(e.detail), kind, headers=e.headers)

@@ -1,0 +1,112 @@
+"""Prometheus metrics under vLLM's names with the prefix `tandem:` instead of `vllm:`, so an
+existing vLLM dashboard works after a search-and-replace of the prefix.
+
+Fed by AsyncLLM (as its observer): engine stats after every step, and each step's outputs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from tandem.engine.core import EngineStats
+    from tandem.engine.outputs import RequestOutput
+
+# vLLM's buckets, so histograms line up with its dashboards
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0]  # fmt: skip
+_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+_LABELS = ["model_name", "engine"]
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self._labels = (model_name, "0")
+        self.running = self._gauge("num_requests_running", "Requests in the running batch")
+        self.waiting = self._gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = self._gauge("kv_cache_usage_perc", "KV cache usage: 1 means 100 percent")
+        self.prefix_queries = self._counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+        )
+        self.prefix_hits = self._counter("prefix_cache_hits", "Prompt tokens found in the cache")
+        self.preemptions = self._counter("num_preemptions", "Cumulative number of preemptions")
+        self.prompt_tokens = self._counter("prompt_tokens", "Prefill tokens processed")
+        self.generation_tokens = self._counter("generation_tokens", "Generation tokens processed")
+        self.success = Counter(
+            "tandem:request_success",
+            "Finished requests, by finish reason",
+            [*_LABELS, "finished_reason"],
+            registry=self.registry,
+        )
+        self.ttft = self._histogram(
+            "time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS
+        )
+        self.itl = self._histogram(
+            "inter_token_latency_seconds", "Inter-token latency", _ITL_BUCKETS
+        )
+        self.e2e = self._histogram(
+            "e2e_request_latency_seconds", "End-to-end request latency", _LATENCY_BUCKETS
+        )
+        self.queue_time = self._histogram(
+            "request_queue_time_seconds",
+            "Time spent waiting before first scheduled",
+            _LATENCY_BUCKETS,
+        )
+        self._last_token_time: dict[str, float] = {}
+        self._engine_totals = (0, 0, 0)  # the core's cumulative counters seen so far
+
+    def _gauge(self, name: str, doc: str):
+        return Gauge(f"tandem:{name}", doc, _LABELS, registry=self.registry).labels(*self._labels)
+
+    def _counter(self, name: str, doc: str):
+        return Counter(f"tandem:{name}", doc, _LABELS, registry=self.registry).labels(*self._labels)
+
+    def _histogram(self, name: str, doc: str, buckets: list[float]):
+        return Histogram(
+            f"tandem:{name}", doc, _LABELS, buckets=buckets, registry=self.registry
+        ).labels(*self._labels)
+
+    # ---- AsyncLLM observer ---------------------------------------------------------
+    def on_stats(self, stats: EngineStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        totals = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
+        for counter, new, old in zip(
+            (self.prefix_queries, self.prefix_hits, self.preemptions), totals, self._engine_totals
+        ):
+            if new > old:
+                counter.inc(new - old)
+        self._engine_totals = totals
+
+    def on_outputs(self, outputs: list[RequestOutput], num_new_tokens: int, now: float) -> None:
+        self.generation_tokens.inc(num_new_tokens)
+        for out in outputs:
+            m = out.metrics
+            last = self._last_token_time.get(out.request_id)
+            if last is None:
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                self.ttft.observe(now - m.arrival_time)
+                if m.first_scheduled_time is not None:
+                    self.queue_time.observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+            else:
+                self.itl.observe(now - last)
+            if out.finished:
+                self._last_token_time.pop(out.request_id, None)
+                self.e2e.observe(now - m.arrival_time)
+                reason = out.outputs[0].finish_reason or "stop"
+                self.success.labels(*self._labels, reason).inc()
+            else:
+                self._last_token_time[out.request_id] = now
+
+    def on_abort(self, request_id: str) -> None:
+        self._last_token_time.pop(request_id, None)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

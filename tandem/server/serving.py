@@ -1,0 +1,118 @@
+"""What the endpoints share: the model name check, prompts (tokenized, validated, fitted to
+the context), admission control, and starting generations on the engine."""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+
+from tandem.core.sampling_params import SamplingParams
+from tandem.engine.async_llm import AsyncLLM, RequestStream
+from tandem.engine.outputs import RequestOutput
+from tandem.server.errors import bad_request, not_found, server_error, unavailable
+
+
+@dataclass
+class Prompt:
+    text: str | None  # None when the client sent token ids
+    token_ids: list[int]
+
+
+class Serving:
+    def __init__(
+        self, engine: AsyncLLM, served_names: list[str], max_waiting: int | None = None
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.served_names = served_names
+        self.model_name = served_names[0]
+        self.max_waiting = max_waiting
+        self.created = int(time.time())
+
+    def check_model(self, name: str | None) -> None:
+        if name and name not in self.served_names:
+            raise not_found(f"The model `{name}` does not exist.", "model", "model_not_found")
+
+    # ---- prompts -------------------------------------------------------------------
+    def prompt(self, prompt: str | list[int]) -> Prompt:
+        if isinstance(prompt, str):
+            return Prompt(prompt, self.tokenizer.encode(prompt, add_special_tokens=True))
+        vocab = self.engine.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"prompt: token id {bad} is out of range [0, {vocab})", "prompt")
+        return Prompt(None, list(prompt))
+
+    def fit(self, prompt: Prompt, params: SamplingParams, what: str = "prompt") -> SamplingParams:
+        """Check the prompt and its output budget fit the context and the KV pool; with no
+        max_tokens, allow as many as fit. Returns the params to run with."""
+        n, limit = len(prompt.token_ids), self.engine.max_model_len
+        if n >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {n} input tokens. Please reduce the length of the input messages.",
+                what,
+            )
+        max_tokens = params.max_tokens
+        if max_tokens is not None and n + max_tokens > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion). "
+                f"Please reduce the length of the messages or completion.",
+                "max_tokens",
+            )
+        pool = self.engine.max_request_tokens
+        if max_tokens is None or n + max_tokens > pool:
+            if max_tokens is not None or n >= pool:
+                raise bad_request(
+                    f"max_tokens: the request needs up to {n + (max_tokens or 1)} tokens of KV "
+                    f"cache but the server's pool holds {pool}; lower max_tokens",
+                    "max_tokens",
+                )
+            params = copy.copy(params)
+            params.max_tokens = pool - n
+        return params
+
+    # ---- running -------------------------------------------------------------------
+    def admit(self, num_sequences: int) -> None:
+        """Refuse work the server cannot queue: 503 with Retry-After past --max-waiting."""
+        if self.engine.dead:
+            raise server_error(f"the engine is dead: {self.engine.dead}")
+        waiting = self.engine.num_waiting
+        if self.max_waiting is not None and waiting + num_sequences > self.max_waiting:
+            raise unavailable(
+                f"The server is overloaded: {waiting} sequences wait to run and the limit "
+                f"(--max-waiting) is {self.max_waiting}. Retry later.",
+                retry_after=1,
+            )
+
+    def generate(
+        self,
+        request_id: str,
+        prompts: list[Prompt],
+        params: list[SamplingParams],
+        priority: int = 0,
+    ) -> list[RequestStream]:
+        """Start one generation per prompt (admission checked for all of them first)."""
+        self.admit(sum(p.n for p in params))
+        return [
+            self.engine.add_request(
+                prompt.text,
+                prompt.token_ids,
+                p,
+                request_id if len(prompts) == 1 else f"{request_id}-{i}",
+                priority,
+            )
+            for i, (prompt, p) in enumerate(zip(prompts, params))
+        ]
+
+
+def usage(prompts: list[Prompt], outputs: list[RequestOutput]) -> dict:
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    completion_tokens = sum(len(c.token_ids) for out in outputs for c in out.outputs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

@@ -1,0 +1,74 @@
+"""A short run against tandem's real server: every request is accounted for."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from tandem.bench.client import RequestSpec
+from tandem.bench.runner import RunConfig, run_workload
+from tandem.bench.servers import tandem_server
+from tandem.bench.workloads import LengthRange, multi_turn_workload, random_workload
+
+pytest.importorskip("tandem.server.cli")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(llama_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "tandem.log"
+    extra = [
+        "--served-model-name",
+        "tiny",
+        "--kv-cache-memory",
+        "0.05",
+        "--disable-uvicorn-access-log",
+    ]
+    srv = tandem_server(free_port(), str(llama_path), extra, log)
+    with srv:
+        srv.wait_ready(timeout=300)  # the engine core starts in its own process
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def tok(llama_path):
+    from tandem.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(llama_path)
+
+
+def bench(server, sessions, chat=False, **cfg):
+    spec = RequestSpec(
+        url=server.base_url + ("/v1/chat/completions" if chat else "/v1/completions"),
+        model="tiny",
+        chat=chat,
+        ignore_eos=True,
+    )
+    return asyncio.run(run_workload(sessions, spec, RunConfig(progress=False, **cfg)))
+
+
+def test_random_run_completes_every_request(server, tok):
+    from tandem.bench import metrics
+
+    sessions = random_workload(tok, 10, LengthRange(8, 24), LengthRange(4, 8), seed=0)
+    run = bench(server, sessions, request_rate=50.0, max_concurrency=4)
+    s = metrics.summarize(run.results, run.duration)
+    assert s["completed"] == 10 and s["failed"] == 0, [r.error for r in run.results]
+    wanted = [x.requests[0].output_len for x in sessions]
+    assert sorted(r.output_len for r in run.results) == sorted(wanted)  # ignore_eos honoured
+    assert s["total_input_tokens"] == sum(x.requests[0].prompt_len for x in sessions)
+    assert all(r.ttft > 0 and len(r.itl) >= 1 for r in run.results)
+
+
+def test_chat_multi_turn_run_completes(server, tok):
+    sessions = multi_turn_workload(tok, 2, 3, LengthRange(6, 10), LengthRange(3, 5), seed=0)
+    run = bench(server, sessions, chat=True, max_concurrency=2)
+    assert len(run.results) == 6
+    assert all(r.success for r in run.results), [r.error for r in run.results]

@@ -1,0 +1,182 @@
+"""The real server as a subprocess on a free loopback port, serving a tiny checkpoint.
+
+Servers start in parallel (each takes seconds: two processes import torch) and are waited on
+only when a test first needs them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+API_KEY = "sk-test-key"
+# A small KV pool (the default 2 GiB would be allocated and zeroed for nothing).
+COMMON = ["--kv-cache-memory", "0.01", "--dtype", "float32", "--disable-uvicorn-access-log"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return children
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+class Server:
+    def __init__(self, model: Path, args: list[str], log_dir: Path, name: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"{name}.log"
+        cmd = [sys.executable, "-m", "tandem.cli", "serve", str(model)]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), *COMMON, *args]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+        self._ready = False
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout: float = 180.0) -> Server:
+        deadline = time.monotonic() + timeout
+        while not self._ready:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()}")
+            try:
+                self._ready = httpx.get(f"{self.url}/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                pass
+            if not self._ready:
+                time.sleep(0.2)
+        return self
+
+    @property
+    def core_pid(self) -> int:
+        (pid,) = child_pids(self.proc.pid)
+        return pid
+
+    def metrics(self) -> dict[str, float]:
+        """`name{labels}` lines of /metrics, labels dropped except finished_reason."""
+        values: dict[str, float] = {}
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            if line.startswith("tandem:"):
+                name, value = line.rsplit(" ", 1)
+                key = name.split("{")[0]
+                if 'finished_reason="' in name:
+                    key += ":" + name.split('finished_reason="')[1].split('"')[0]
+                values[key] = values.get(key, 0.0) + float(value)
+        return values
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def _launched(request, llama_path, tmp_path_factory):
+    """Start the shared servers the collected tests need, all at once (each fixture below
+    waits for its own)."""
+    logs = tmp_path_factory.mktemp("server-logs")
+    wanted = {name for item in request.session.items for name in item.fixturenames}
+    servers = {}
+    if "server" in wanted:
+        servers["main"] = Server(llama_path, [], logs, "main")
+    if "guarded_server" in wanted:
+        servers["guarded"] = Server(
+            llama_path,
+            ["--api-key", API_KEY, "--max-num-seqs", "2", "--max-waiting", "2",
+             "--served-model-name", "tiny", "tiny-alias"],
+            logs,
+            "guarded",
+        )  # fmt: skip
+    if "draining_server" in wanted:
+        servers["draining"] = Server(llama_path, ["--shutdown-timeout", "120"], logs, "draining")
+    yield servers
+    for s in servers.values():
+        s.terminate()
+    for s in servers.values():
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def server(_launched) -> Server:
+    return _launched["main"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def guarded_server(_launched) -> Server:
+    """--api-key, --max-num-seqs 2, --max-waiting 2, two served names. Its last test kills
+    its engine core."""
+    return _launched["guarded"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def draining_server(_launched) -> Server:
+    """--shutdown-timeout 120, for the one test that shuts it down."""
+    return _launched["draining"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(llama_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(llama_path))
+
+
+@pytest.fixture(scope="session")
+def model_name(llama_path) -> str:
+    return str(llama_path)
+
+
+@pytest.fixture
+def client(server):
+    import openai
+
+    with openai.OpenAI(api_key="x", base_url=f"{server.url}/v1", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
