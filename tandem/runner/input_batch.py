@@ -1,7 +1,10 @@
 """Turn a scheduler plan into the tensors of one forward pass. A pure function of the plan.
 
-Rows are ordered single-token chunks (decodes) first, then longer chunks (prefills); each kind
-is one attention group. For a row computing positions [start, start + n):
+Rows are grouped for attention, and each group is padded to its longest query and context:
+single-token rows (decodes) form one group; longer chunks (prefills) are bucketed by query
+length and context length rounded up to powers of two, so padding never more than doubles
+the attention work (one 1088-token chunk padded with fifteen 64-token ones would be 16x).
+For a row computing positions [start, start + n):
 
     positions    start, start+1, ..., start+n-1
     slot         block_ids[pos // block_size] * block_size + pos % block_size
@@ -31,9 +34,7 @@ class StepInputs:
 def prepare_inputs(
     scheduled: list[ScheduledRequest], block_size: int, device: torch.device
 ) -> StepInputs:
-    singles = [s for s in scheduled if s.num_new_tokens == 1]
-    chunks = [s for s in scheduled if s.num_new_tokens > 1]
-    rows = singles + chunks
+    rows = sorted(scheduled, key=_bucket)  # stable: plan order within a bucket
     starts = np.array([s.start for s in rows], dtype=np.int64)
     lens = np.array([s.num_new_tokens for s in rows], dtype=np.int64)
     ends = np.cumsum(lens)
@@ -43,39 +44,23 @@ def prepare_inputs(
         dtype=np.int64,
         count=int(ends[-1]),
     )
+    decode_only = int(ends[-1]) == len(rows)
     positions = (
-        np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lens)])
-        if chunks
-        else starts.copy()
+        starts.copy()
+        if decode_only
+        else np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lens)])
     )
     tables = _block_tables(rows, block_size)  # [R, max_blocks]
     row_of_token = np.repeat(np.arange(len(rows)), lens)
     slots = tables[row_of_token, positions // block_size] * block_size + positions % block_size
 
-    groups = []
-    if singles:
-        groups.append(
-            _group(
-                slice(0, len(singles)),
-                starts[: len(singles)],
-                lens[: len(singles)],
-                tables[: len(singles)],
-                block_size,
-                device,
-            )
-        )
-    if chunks:
-        k = len(singles)
-        groups.append(
-            _group(
-                slice(len(singles), int(ends[-1])),
-                starts[k:],
-                lens[k:],
-                tables[k:],
-                block_size,
-                device,
-            )
-        )
+    groups, first = [], 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or _bucket(rows[i]) != _bucket(rows[first]):
+            tokens = slice(int(ends[first - 1]) if first else 0, int(ends[i - 1]))
+            g = slice(first, i)
+            groups.append(_group(tokens, starts[g], lens[g], tables[g], block_size, device))
+            first = i
 
     sample_flags = [s.sample for s in rows]
     sample_index = (ends - 1)[np.array(sample_flags, dtype=bool)]
@@ -87,6 +72,18 @@ def prepare_inputs(
         sample_index=to(sample_index),
         sample_rows=[s for s, f in zip(rows, sample_flags) if f],
     )
+
+
+def _bucket(s: ScheduledRequest) -> tuple[int, int]:
+    """Rows in one bucket share an attention group: decodes together, chunks by the powers
+    of two at or above their query and context lengths."""
+    if s.num_new_tokens == 1:
+        return (0, 0)
+    return (_pow2(s.num_new_tokens), _pow2(s.start + s.num_new_tokens))
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def _block_tables(rows: list[ScheduledRequest], block_size: int) -> np.ndarray:

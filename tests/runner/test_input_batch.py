@@ -42,17 +42,30 @@ def test_decodes_come_first_then_prefill_chunks_with_positions_and_slots():
     assert chunk.scatter_index is None
 
 
-def test_chunks_of_different_lengths_are_padded_and_scattered():
+def test_chunks_in_one_bucket_are_padded_and_scattered():
     a = req("a", [1, 2, 3], [4])
-    b = req("b", [5, 6], [6])
-    x = prepare_inputs([ScheduledRequest.of(a, 0, 3), ScheduledRequest.of(b, 0, 2)], 4, CPU)
-    (g,) = x.attn.groups
-    assert g.shape == (2, 3)
-    assert g.scatter_index.tolist() == [0, 1, 2, 3, 4]  # b's third query slot (5) is padding
-    assert g.mask[1, 2].tolist() == [True, False, False, False]  # padding sees key 0 only
-    assert g.mask[1, 1].tolist() == [True, True, False, False]
+    b = req("b", [5, 6, 7, 8], [6])
+    x = prepare_inputs([ScheduledRequest.of(a, 0, 3), ScheduledRequest.of(b, 0, 4)], 4, CPU)
+    (g,) = x.attn.groups  # query lengths 3 and 4 both round up to 4
+    assert g.shape == (2, 4)
+    assert g.scatter_index.tolist() == [0, 1, 2, 4, 5, 6, 7]  # a's fourth query slot is padding
+    assert g.mask[0, 3].tolist() == [True, False, False, False]  # padding sees key 0 only
+    assert g.mask[0, 1].tolist() == [True, True, False, False]
     assert g.block_tables.tolist() == [[4], [6]]
-    assert x.sample_index.tolist() == [2, 4]
+    assert x.sample_index.tolist() == [2, 6]
+
+
+def test_chunks_of_very_different_lengths_get_their_own_groups():
+    """A long chunk and short ones in one step: padding them together would multiply the
+    attention work, so each power-of-two bucket is its own group."""
+    long = req("long", list(range(40)), [1, 2, 3, 4, 5])
+    short = [req(f"s{i}", list(range(40)) + [i, i], [1, 2, 3, 4, 5, 6 + i]) for i in range(3)]
+    plan = [ScheduledRequest.of(long, 0, 40)] + [ScheduledRequest.of(r, 40, 2) for r in short]
+    x = prepare_inputs(plan, 8, CPU)
+    shapes = sorted(g.shape for g in x.attn.groups)
+    assert shapes == [(1, 40), (3, 2)]
+    total = sum(g.token_slice.stop - g.token_slice.start for g in x.attn.groups)
+    assert total == x.input_ids.numel() == 46
 
 
 def test_block_tables_are_null_padded_to_the_longest_row():
