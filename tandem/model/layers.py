@@ -69,19 +69,22 @@ class RotaryEmbedding(nn.Module):
             * inv_freq[None, :]
         )
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        # rotate_half(x) * sin == roll(x, D/2) * sign * sin: fold the sign into the table
+        half = self.head_dim // 2
+        sign = torch.cat((-torch.ones(half, device=device), torch.ones(half, device=device)))
         self.cos = emb.cos().to(self.dtype)
-        self.sin = emb.sin().to(self.dtype)
+        self.sin = (emb.sin() * sign).to(self.dtype)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: [T, H, D], k: [T, KVH, D]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) for these positions, [T, 1, D] each: looked up once per step and
+        shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate-half RoPE (as transformers applies it) on x: [T, heads, D]."""
+    cos, sin = rope
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class SiluAndMul(nn.Module):
