@@ -41,15 +41,14 @@ class Request:
         sampling_params: SamplingParams,
         arrival_time: float = 0.0,
         priority: int = 0,
-        max_tokens: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
         self.priority = priority
-        # Output budget after capping by max_model_len (the engine computes it).
-        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        # Output budget; None means "until max_model_len", resolved by the scheduler on intake.
+        self.max_tokens = sampling_params.max_tokens
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0

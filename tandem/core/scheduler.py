@@ -101,21 +101,31 @@ class Scheduler:
         """The most tokens one request may ever hold: the model's limit or the whole pool."""
         return min(self.config.max_model_len, self.kv.num_usable_blocks * self.kv.block_size)
 
+    def check_request(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Raise a ValueError naming the field if such a request could never run: its prompt
+        leaves no room for output, or it could outgrow the whole KV pool (it would wait or be
+        preempted forever)."""
+        limit = self.config.max_model_len
+        if num_prompt_tokens >= limit:
+            raise ValueError(
+                f"prompt: {num_prompt_tokens} tokens is too long; max_model_len is {limit} "
+                f"(prompt plus at least one output token)"
+            )
+        worst_case = min(num_prompt_tokens + (max_tokens or limit), limit)
+        if self.kv.blocks_for(worst_case) > self.kv.num_usable_blocks:
+            raise ValueError(
+                f"max_tokens: prompt ({num_prompt_tokens}) + max_tokens ({max_tokens}) needs "
+                f"{worst_case} tokens of KV cache but the pool holds "
+                f"{self.kv.num_usable_blocks * self.kv.block_size}; lower max_tokens or raise "
+                f"kv_cache_memory"
+            )
+
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        worst_case = min(request.num_prompt_tokens + request.max_tokens, self.config.max_model_len)
-        if request.num_prompt_tokens >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt has {request.num_prompt_tokens} tokens; max_model_len is "
-                f"{self.config.max_model_len}, which must leave room for at least one output token"
-            )
-        if self.kv.blocks_for(worst_case) > self.kv.num_usable_blocks:
-            raise ValueError(
-                f"request needs up to {worst_case} tokens of KV cache (prompt + max_tokens) but the "
-                f"whole pool holds {self.kv.num_usable_blocks * self.kv.block_size}: lower max_tokens "
-                f"or raise kv_cache_memory"
-            )
+        self.check_request(request.num_prompt_tokens, request.max_tokens)
+        if request.max_tokens is None:
+            request.max_tokens = self.config.max_model_len - request.num_prompt_tokens
         self.requests[request.request_id] = request
         self.waiting.push(request)
 

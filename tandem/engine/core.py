@@ -140,12 +140,8 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         params = req.sampling_params
         params.eos_token_ids = self.eos_token_ids
-        if params.max_tokens is None:
-            max_tokens = self.max_model_len - len(req.prompt_token_ids)
-        else:
-            max_tokens = params.max_tokens
         request = Request(
-            req.request_id, req.prompt_token_ids, params, req.arrival_time, req.priority, max_tokens
+            req.request_id, req.prompt_token_ids, params, req.arrival_time, req.priority
         )
         self.scheduler.add_request(request)
 

@@ -75,18 +75,7 @@ class LLM:
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise ValueError("prompt: must not be empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(ids)} tokens is too long; max_model_len is {self.max_model_len} "
-                f"(prompt plus at least one output token)"
-            )
-        limit = self.engine.scheduler.max_request_tokens
-        need = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
-        if need > limit:
-            raise ValueError(
-                f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) needs {need} "
-                f"tokens of KV cache but the pool holds {limit}; lower max_tokens or raise kv_cache_memory"
-            )
+        self.engine.scheduler.check_request(len(ids), params.max_tokens)
 
     def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
         order = []

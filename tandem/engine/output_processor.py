@@ -145,12 +145,13 @@ class OutputProcessor:
             parent.metrics.last_token_time = now
             for token in out.new_token_ids:
                 self._append(seq, token, out.logprobs)
-            if seq.finish_reason is None and out.finish_reason is not None:
-                self._add_text(seq, seq.detok.flush())
-            if seq.finish_reason is None and out.finish_reason is not None:
-                seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
-            elif seq.finish_reason is not None and out.finish_reason is None:
-                stopped.append(out.request_id)  # stop string: the core still runs it
+            if seq.finish_reason is not None:  # a stop string ended it here
+                if out.finish_reason is None:
+                    stopped.append(out.request_id)  # the core still runs it: stop it there
+            elif out.finish_reason is not None:  # the core ended it
+                self._add_text(seq, seq.detok.flush())  # held-back text may hold a stop string
+                if seq.finish_reason is None:
+                    seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
             if seq.finish_reason is not None:
                 del self._children[out.request_id]
             updated[parent.request_id] = parent

@@ -162,3 +162,11 @@ def test_priority_value_and_arrival_order_pick_the_victim():
     a, b, c = h.add(4), h.add(4, priority=1), h.add(4)
     assert PreemptNewest().pick_victim([a, b, c]) is b
     assert PreemptNewest().pick_victim([a, c]) is c
+
+
+def test_max_tokens_none_means_until_max_model_len():
+    h = Harness(max_model_len=12)
+    r = h.add(10, max_tokens=None)
+    assert r.max_tokens == 2
+    h.run_to_completion()
+    assert r.num_tokens == 12 and r.finish_reason == "length"
