@@ -25,6 +25,20 @@ COLUMNS = [
     ("TPOT mean ms", "mean_tpot_ms", False),
     ("TPOT p99 ms", "p99_tpot_ms", False),
 ]
+# Shown only when the run had SLOs (--goodput or multi-class SLOs).
+SLO_COLUMNS = [
+    ("goodput req/s", "request_goodput", True),
+    ("SLO attain %", "slo_attainment_pct", True),
+]
+
+
+def slo_attainment_pct(result: dict) -> float | None:
+    slo = result.get("slo_attainment")
+    return None if not slo else 100.0 * slo["all"]["attainment"]
+
+
+def columns(rows: list[dict]) -> list[tuple[str, str, bool]]:
+    return COLUMNS + [c for c in SLO_COLUMNS if any(c[1] in row for row in rows)]
 
 
 def scenario(result: dict) -> str:
@@ -45,6 +59,13 @@ def compare_rows(ours: list[dict], theirs: list[dict]) -> list[dict]:
         row = {"scenario": scenario(a), "completed": (a["completed"], b["completed"])}
         for _, key, _ in COLUMNS:
             row[key] = {"tandem": a[key], "peer": b[key], "ratio": ratio(a[key], b[key])}
+        a, b = (
+            dict(a, slo_attainment_pct=slo_attainment_pct(a)),
+            dict(b, slo_attainment_pct=slo_attainment_pct(b)),
+        )
+        for _, key, _ in SLO_COLUMNS:
+            if a.get(key) is not None and b.get(key) is not None:
+                row[key] = {"tandem": a[key], "peer": b[key], "ratio": ratio(a[key], b[key])}
         rows.append(row)
     return rows
 
@@ -57,7 +78,7 @@ def format_table(rows: list[dict], peer: str) -> str:
     for row in rows:
         done = row["completed"]
         lines += ["", f"== {row['scenario']}  (completed {done[0]} / {done[1]})", head]
-        for label, key, higher_better in COLUMNS:
+        for label, key, higher_better in columns([row]):
             cell = row[key]
             r = "-" if cell["ratio"] is None else f"{cell['ratio']:.2f}x"
             mark = "" if cell["ratio"] is None else _better(cell["ratio"], higher_better)

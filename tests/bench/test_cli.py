@@ -210,3 +210,28 @@ def test_compare_table_reads_side_by_side():
     assert "out tok/s           200.0      100.0   2.00x +" in table
     assert "TTFT mean ms         50.0      100.0   0.50x +" in table
     assert "TPOT mean ms         20.0       20.0   1.00x" in table
+
+
+def test_compare_table_adds_goodput_and_attainment_rows_only_when_slos_were_given():
+    base = {
+        "dataset_name": "random",
+        "request_rate": 1.0,
+        "max_concurrency": None,
+        "completed": 10,
+        "output_throughput": 100.0,
+        "mean_ttft_ms": 50.0,
+        "p99_ttft_ms": 90.0,
+        "mean_tpot_ms": 20.0,
+        "p99_tpot_ms": 30.0,
+    }
+    assert "goodput" not in format_table(compare_rows([base], [base]), "vllm")
+
+    def with_slos(goodput: float, good: int) -> dict:
+        attain = {"all": {"requests": 10, "good": good, "attainment": good / 10}}
+        return dict(base, request_goodput=goodput, slo_attainment=attain)
+
+    rows = compare_rows([with_slos(0.9, 9)], [with_slos(0.3, 3)])
+    assert rows[0]["slo_attainment_pct"] == {"tandem": 90.0, "peer": 30.0, "ratio": 3.0}
+    table = format_table(rows, "vllm")
+    assert "goodput req/s         0.9        0.3   3.00x +" in table
+    assert "SLO attain %         90.0       30.0   3.00x +" in table
