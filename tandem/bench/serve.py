@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.bench import metrics
@@ -16,12 +17,19 @@ from tandem.bench.results import build_result, format_summary, format_sweep, rat
 from tandem.bench.runner import RunConfig, RunResult, run_workload
 from tandem.bench.workloads import LengthRange, RequestClass, Session, num_requests
 
+READY_CHECK_POINT = 1 << 20  # the workload index of the ready check: one no run reaches
+
 
 @dataclass
 class Prepared:
-    """What stays the same from server to server: the workload and how to measure it."""
+    """What stays the same from server to server: the workloads and how to measure them.
 
-    sessions: list[Session]
+    Point i of a run (a rate, a concurrency, a max-rate probe) sends its own prompts, drawn
+    with seed + i: were every point to resend point 0's prompts, a server's prefix cache
+    would serve them from the second point on and the figures would measure cache hits."""
+
+    build: Callable[[int], list[Session]]  # seed -> workload
+    seed: int
     tokenizer: object
     tokenizer_id: str
     rates: list[float]
@@ -29,6 +37,17 @@ class Prepared:
     goodput: dict[str, float]
     classes: list[RequestClass]
     percentiles: list[float]
+    _workloads: dict[int, list[Session]] = field(default_factory=dict)
+
+    def workload(self, point: int = 0) -> list[Session]:
+        seed = self.seed + point
+        if seed not in self._workloads:
+            self._workloads[seed] = self.build(seed)
+        return self._workloads[seed]
+
+    @property
+    def sessions(self) -> list[Session]:
+        return self.workload(0)
 
 
 @dataclass
@@ -41,8 +60,9 @@ def prepare(args: argparse.Namespace) -> Prepared:
     tokenizer_id, tokenizer = load_tokenizer(args.tokenizer or _local_model(args.model))
     classes = [RequestClass.parse(s) for s in args.cls or []]
     percentiles = sorted({float(p) for p in args.metric_percentiles.split(",")} | {99.0})
-    return Prepared(
-        sessions=build_workload(args, tokenizer, classes),
+    prep = Prepared(
+        build=lambda seed: build_workload(args, tokenizer, classes, seed),
+        seed=args.seed,
         tokenizer=tokenizer,
         tokenizer_id=tokenizer_id,
         rates=parse_rates(args.request_rate),
@@ -51,6 +71,8 @@ def prepare(args: argparse.Namespace) -> Prepared:
         classes=classes,
         percentiles=percentiles,
     )
+    prep.workload(0)  # fail on a bad dataset before any server starts
+    return prep
 
 
 def _local_model(model: str | None) -> str | None:
@@ -75,10 +97,10 @@ def load_tokenizer(path: str | None) -> tuple[str, object]:
     return str(path or folder), load(folder)
 
 
-def build_workload(args, tokenizer, classes: list[RequestClass]) -> list[Session]:
+def build_workload(args, tokenizer, classes: list[RequestClass], seed: int) -> list[Session]:
     from tandem.bench import sharegpt, workloads
 
-    name, n, seed = args.dataset_name, args.num_prompts, args.seed
+    name, n = args.dataset_name, args.num_prompts
     inp = LengthRange.around(args.random_input_len, args.random_range_ratio)
     out = LengthRange.around(args.random_output_len, args.random_range_ratio)
     if name == "random":
@@ -141,17 +163,20 @@ async def run_points(args, prep: Prepared, base_url: str, label: str = "") -> li
     )
     spec = request_spec(args, base_url, model)
     if args.ready_timeout > 0:
-        await wait_ready(spec, prep.sessions[0], args.ready_timeout)
-    points = []
+        # A prompt from outside every point, so the check warms no cache for the run.
+        await wait_ready(spec, prep.workload(READY_CHECK_POINT)[0], args.ready_timeout)
+    points: list[Point] = []
     for concurrency in prep.concurrencies:
         for rate in prep.rates:
-            points.append(await run_point(args, prep, spec, rate, concurrency, label))
+            points.append(await run_point(args, prep, spec, rate, concurrency, label, len(points)))
     if args.find_max_rate:
-        points += await search_max_rate(args, prep, spec, label)
+        points += await search_max_rate(args, prep, spec, label, first=len(points))
     return points
 
 
-async def run_point(args, prep: Prepared, spec: RequestSpec, rate, concurrency, label) -> Point:
+async def run_point(
+    args, prep: Prepared, spec: RequestSpec, rate, concurrency, label, index: int = 0
+) -> Point:
     cfg = RunConfig(
         request_rate=rate,
         burstiness=args.burstiness,
@@ -163,7 +188,8 @@ async def run_point(args, prep: Prepared, spec: RequestSpec, rate, concurrency, 
         progress=not args.disable_tqdm,
     )
     count = lambda text: len(prep.tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
-    run = await run_workload(prep.sessions, spec, cfg, count)
+    sessions = prep.workload(index)
+    run = await run_workload(sessions, spec, cfg, count)
     summary = metrics.summarize(run.results, run.duration, prep.percentiles, prep.goodput or None)
     class_slos = {c.name: c.slo for c in prep.classes if c.slo}
     attain = None
@@ -176,11 +202,11 @@ async def run_point(args, prep: Prepared, spec: RequestSpec, rate, concurrency, 
         "model_id": spec.model,
         "tokenizer_id": prep.tokenizer_id,
         "dataset_name": args.dataset_name,
-        "num_prompts": num_requests(prep.sessions) if args.duration is None else None,
+        "num_prompts": num_requests(sessions) if args.duration is None else None,
         "request_rate": rate_value(rate),
         "burstiness": args.burstiness,
         "max_concurrency": concurrency,
-        "seed": args.seed,
+        "seed": prep.seed + index,
         "goodput": prep.goodput or None,
     }
     result = build_result(meta, summary, run, attain, args.save_detailed)
@@ -188,7 +214,9 @@ async def run_point(args, prep: Prepared, spec: RequestSpec, rate, concurrency, 
     return Point(result, run)
 
 
-async def search_max_rate(args, prep: Prepared, spec: RequestSpec, label: str) -> list[Point]:
+async def search_max_rate(
+    args, prep: Prepared, spec: RequestSpec, label: str, first: int = 0
+) -> list[Point]:
     from tandem.bench.search import find_max_rate
 
     if not prep.goodput and not any(c.slo for c in prep.classes):
@@ -196,7 +224,9 @@ async def search_max_rate(args, prep: Prepared, spec: RequestSpec, label: str) -
     probes: list[Point] = []
 
     async def probe(rate: float) -> float:
-        point = await run_point(args, prep, spec, rate, prep.concurrencies[0], label)
+        point = await run_point(
+            args, prep, spec, rate, prep.concurrencies[0], label, first + len(probes)
+        )
         point.result["search_probe"] = True
         probes.append(point)
         return point.result["slo_attainment"]["all"]["attainment"]

@@ -86,7 +86,12 @@ def test_serve_sweep_writes_vllm_json_and_plots(llama_path, tmp_path, capsys):
     assert len(sent) == 1 + 2 * 6  # the ready check, then the workload at each rate
     assert sent[1]["model"] == "scripted" and sent[1]["max_tokens"] == 4 and sent[1]["stream"]
     assert sent[1]["stream_options"] == {"include_usage": True}
-    for rate in ("20.0", "40.0"):
+    # Each point sends its own prompts, so no server's prefix cache can serve the second
+    # point from the first, nor the ready check's prompt any point.
+    first, second = {r["prompt"] for r in sent[1:7]}, {r["prompt"] for r in sent[7:]}
+    assert len(first) == len(second) == 6 and not first & second
+    assert sent[0]["prompt"] not in first | second
+    for rate, seed in (("20.0", 0), ("40.0", 1)):
         doc = json.loads((tmp_path / f"run-rate{rate}.json").read_text())
         assert all(k in doc for k in VLLM_KEYS), [k for k in VLLM_KEYS if k not in doc]
         assert doc["completed"] == 6 and doc["failed"] == 0
@@ -94,6 +99,7 @@ def test_serve_sweep_writes_vllm_json_and_plots(llama_path, tmp_path, capsys):
         assert doc["slo_attainment"]["all"]["attainment"] == 1.0
         assert doc["request_goodput"] == pytest.approx(6 / doc["duration"])
         assert len(doc["ttfts"]) == len(doc["itls"]) == 6
+        assert doc["seed"] == seed
     sweep = json.loads((tmp_path / "run-sweep.json").read_text())
     assert [p["request_rate"] for p in sweep["points"]] == [20.0, 40.0]
     assert (tmp_path / "run-cdf.png").stat().st_size > 10_000
