@@ -116,6 +116,7 @@ def main():
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--only", default="shared,multiturn,unique")
+    ap.add_argument("--repeats", type=int, default=2, help="alternating runs for the 0%% case")
     args = ap.parse_args()
     parts = args.only.split(",")
 
@@ -145,11 +146,15 @@ def main():
             f"({sum(off['computed_per_turn']) / sum(on['computed_per_turn']):.1f}x fewer)"
         )
     if "unique" in parts:
-        on, off = unique_prompts(args, True), unique_prompts(args, False)
+        # A 5% difference is within one run's drift on a shared machine, so the two
+        # settings alternate (on, off, on, off) and each reports its best run.
+        runs = [unique_prompts(args, caching) for caching in (True, False) * args.repeats]
+        on = max(runs[0::2], key=lambda r: r["output_tok_s"])
+        off = max(runs[1::2], key=lambda r: r["output_tok_s"])
         print(
-            f"0% hit rate (64 unique prompts, 64 out): cache {on['output_tok_s']:.1f} tok/s, "
-            f"no cache {off['output_tok_s']:.1f} tok/s -> ratio {on['output_tok_s'] / off['output_tok_s']:.3f} "
-            f"(hits: {on['hits']})"
+            f"0% hit rate (64 unique prompts, 64 out, best of {args.repeats} alternating runs): "
+            f"cache {on['output_tok_s']:.1f} tok/s, no cache {off['output_tok_s']:.1f} tok/s "
+            f"-> ratio {on['output_tok_s'] / off['output_tok_s']:.3f} (hits: {on['hits']})"
         )
 
 
