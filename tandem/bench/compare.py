@@ -32,13 +32,16 @@ SLO_COLUMNS = [
 ]
 
 
-def slo_attainment_pct(result: dict) -> float | None:
-    slo = result.get("slo_attainment")
-    return None if not slo else 100.0 * slo["all"]["attainment"]
+def metric(result: dict, key: str) -> float | None:
+    if key == "slo_attainment_pct":
+        slo = result.get("slo_attainment")
+        return 100.0 * slo["all"]["attainment"] if slo else None
+    return result.get(key)
 
 
-def columns(rows: list[dict]) -> list[tuple[str, str, bool]]:
-    return COLUMNS + [c for c in SLO_COLUMNS if any(c[1] in row for row in rows)]
+def columns(row: dict) -> list[tuple[str, str, bool]]:
+    """The metrics both servers reported for this row."""
+    return [c for c in COLUMNS + SLO_COLUMNS if c[1] in row]
 
 
 def scenario(result: dict) -> str:
@@ -57,15 +60,10 @@ def compare_rows(ours: list[dict], theirs: list[dict]) -> list[dict]:
     rows = []
     for a, b in zip(ours, theirs):
         row = {"scenario": scenario(a), "completed": (a["completed"], b["completed"])}
-        for _, key, _ in COLUMNS:
-            row[key] = {"tandem": a[key], "peer": b[key], "ratio": ratio(a[key], b[key])}
-        a, b = (
-            dict(a, slo_attainment_pct=slo_attainment_pct(a)),
-            dict(b, slo_attainment_pct=slo_attainment_pct(b)),
-        )
-        for _, key, _ in SLO_COLUMNS:
-            if a.get(key) is not None and b.get(key) is not None:
-                row[key] = {"tandem": a[key], "peer": b[key], "ratio": ratio(a[key], b[key])}
+        for _, key, _ in COLUMNS + SLO_COLUMNS:
+            ours, theirs = metric(a, key), metric(b, key)
+            if ours is not None and theirs is not None:
+                row[key] = {"tandem": ours, "peer": theirs, "ratio": ratio(ours, theirs)}
         rows.append(row)
     return rows
 
@@ -78,7 +76,7 @@ def format_table(rows: list[dict], peer: str) -> str:
     for row in rows:
         done = row["completed"]
         lines += ["", f"== {row['scenario']}  (completed {done[0]} / {done[1]})", head]
-        for label, key, higher_better in columns([row]):
+        for label, key, higher_better in columns(row):
             cell = row[key]
             r = "-" if cell["ratio"] is None else f"{cell['ratio']:.2f}x"
             mark = "" if cell["ratio"] is None else _better(cell["ratio"], higher_better)

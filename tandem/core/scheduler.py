@@ -112,12 +112,11 @@ class Scheduler:
                 f"(prompt plus at least one output token)"
             )
         worst_case = min(num_prompt_tokens + (max_tokens or limit), limit)
-        if self.kv.blocks_for(worst_case) > self.kv.num_usable_blocks:
+        if worst_case > self.max_request_tokens:
             raise ValueError(
                 f"max_tokens: prompt ({num_prompt_tokens}) + max_tokens ({max_tokens}) needs "
-                f"{worst_case} tokens of KV cache but the pool holds "
-                f"{self.kv.num_usable_blocks * self.kv.block_size}; lower max_tokens or raise "
-                f"kv_cache_memory"
+                f"{worst_case} tokens of KV cache but the pool holds {self.max_request_tokens}; "
+                f"lower max_tokens or raise kv_cache_memory"
             )
 
     def add_request(self, request: Request) -> None:
