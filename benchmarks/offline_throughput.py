@@ -89,9 +89,10 @@ def main():
     args = ap.parse_args()
     torch.set_grad_enabled(False)
 
-    from tandem.model.loader import load_model_config, resolve_model
+    from tandem.core.model_config import ModelConfig
+    from tandem.model.loader import resolve_model
 
-    vocab = load_model_config(resolve_model(args.model)).vocab_size
+    vocab = ModelConfig.from_folder(resolve_model(args.model)).vocab_size
     prompts, outs = workload(args.num_prompts, args.seed, vocab)
     total_out = sum(outs)
     print(

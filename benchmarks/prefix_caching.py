@@ -36,7 +36,7 @@ def random_tokens(rng, n, vocab):
 
 def shared_prefix(args, caching: bool):
     llm = make_llm(args, caching)
-    vocab = llm.engine.model_config.vocab_size
+    vocab = llm.model_config.vocab_size
     rng = random.Random(0)
     system = random_tokens(rng, 1024, vocab)
     prompts = [system + random_tokens(rng, 64, vocab) for _ in range(32)]
@@ -95,7 +95,7 @@ def multi_turn(args, caching: bool):
 
 def unique_prompts(args, caching: bool):
     llm = make_llm(args, caching)
-    vocab = llm.engine.model_config.vocab_size
+    vocab = llm.model_config.vocab_size
     rng = random.Random(2)
     prompts = [random_tokens(rng, rng.randint(64, 256), vocab) for _ in range(64)]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)

@@ -143,9 +143,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    from tandem.model.loader import load_model_config, resolve_model
+    from tandem.core.model_config import ModelConfig
+    from tandem.model.loader import resolve_model
 
-    vocab = load_model_config(resolve_model(args.model)).vocab_size
+    vocab = ModelConfig.from_folder(resolve_model(args.model)).vocab_size
     prompts = workload(args.num_requests, args.input_len, vocab, args.seed)
     expected = args.num_requests * args.output_len
 

@@ -13,7 +13,7 @@ import random
 import statistics
 
 from tandem import LLM, SamplingParams
-from tandem.engine.core import EngineCoreRequest
+from tandem.engine.messages import EngineCoreRequest
 
 
 def main():
@@ -28,7 +28,7 @@ def main():
     llm = LLM(args.model)
     engine = llm.engine
     rng = random.Random(0)
-    vocab = engine.model_config.vocab_size
+    vocab = llm.model_config.vocab_size
     # long enough that nobody finishes while the rest are still in prefill or being measured
     max_tokens = args.running * args.context // 2048 + args.steps + 10
     for i in range(args.running):

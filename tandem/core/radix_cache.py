@@ -9,6 +9,13 @@ an `EvictionPolicy` ranks them.
 Invariant: an unreferenced node has no referenced descendant (a request holds every block of
 its path; the KV manager stops inserting a request's blocks at the first duplicate). So every
 unreferenced node is reachable by evicting leaves, and `num_evictable` is a plain count.
+
+Eviction order is kept incrementally in a heap of (rank, node) entries, pushed when a node
+becomes an evictable leaf and checked lazily when popped: an entry whose node was referenced
+again is dropped, one whose rank grew since (the node was read) is pushed back with its new
+rank. Evicting costs O(log n) per block, not a rebuild over every leaf, which matters at the
+10^5-block pools the simulator models. Stale entries are compacted once they outnumber the
+live ones.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ class Node:
 
 class EvictionPolicy(Protocol):
     def rank(self, node: Node) -> tuple:
-        """Lower ranks are evicted first."""
+        """Lower ranks are evicted first. A node's rank may only grow over time (as its last
+        access does): the heap re-ranks an entry lazily, when it reaches the top."""
         ...
 
 
@@ -54,6 +62,8 @@ class RadixCache:
         self._nodes: dict[int, Node] = {}  # block id -> node
         self._evictable: set[Node] = set()  # unreferenced leaves
         self._unreferenced: set[Node] = set()  # all unreferenced nodes
+        self._heap: list[tuple[tuple, int, Node]] = []  # (rank when pushed, tie, node)
+        self._tie = itertools.count()
         self._clock = itertools.count(1)
         self.num_evicted = 0
 
@@ -118,17 +128,18 @@ class RadixCache:
         node.last_access = next(self._clock)
         self._unreferenced.add(node)
         if not node.children:
-            self._evictable.add(node)
+            self._add_evictable(node)
 
     def evict(self, n: int) -> list[int]:
         """Remove up to n unreferenced leaves, lowest rank first; return their block ids."""
-        tie = itertools.count()
-        heap = [(self.policy.rank(x), next(tie), x) for x in self._evictable]
-        heapq.heapify(heap)
         freed: list[int] = []
-        while heap and len(freed) < n:
-            _, _, node = heapq.heappop(heap)
+        while self._heap and len(freed) < n:
+            rank, _, node = heapq.heappop(self._heap)
             if node not in self._evictable:
+                continue  # referenced again, or no longer a leaf, since it was pushed
+            current = self.policy.rank(node)
+            if current != rank:  # read since it was pushed: back in line at its new rank
+                heapq.heappush(self._heap, (current, next(self._tie), node))
                 continue
             self._remove(node)
             freed.append(node.block_id)
@@ -138,14 +149,20 @@ class RadixCache:
                 and not parent.children
                 and self._ref_cnt[parent.block_id] == 0
             ):
-                self._evictable.add(parent)
-                heapq.heappush(heap, (self.policy.rank(parent), next(tie), parent))
+                self._add_evictable(parent)
         self.num_evicted += len(freed)
         return freed
 
     def clear(self) -> list[int]:
         """Drop every unreferenced node (for reset); return the freed block ids."""
         return self.evict(len(self._nodes))
+
+    def _add_evictable(self, node: Node) -> None:
+        self._evictable.add(node)
+        heapq.heappush(self._heap, (self.policy.rank(node), next(self._tie), node))
+        if len(self._heap) > 2 * len(self._evictable) + 64:  # mostly stale: rebuild, amortized
+            self._heap = [(self.policy.rank(x), next(self._tie), x) for x in self._evictable]
+            heapq.heapify(self._heap)
 
     def _remove(self, node: Node) -> None:
         self._evictable.discard(node)
@@ -168,3 +185,11 @@ class RadixCache:
                 assert all(self._ref_cnt[c.block_id] == 0 for c in node.children.values()), (
                     f"unreferenced block {block_id} has a referenced child"
                 )
+        # Every evictable leaf is in the heap at a rank no later than its own.
+        queued: dict[Node, tuple] = {}
+        for rank, _, node in self._heap:
+            if node not in queued or rank < queued[node]:
+                queued[node] = rank
+        for node in self._evictable:
+            assert node in queued, f"evictable block {node.block_id} is not in the heap"
+            assert queued[node] <= self.policy.rank(node), f"block {node.block_id} ranked late"

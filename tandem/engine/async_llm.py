@@ -25,8 +25,7 @@ import zmq.asyncio
 
 from tandem.core.sampling_params import SamplingParams
 from tandem.engine.config import EngineConfig
-from tandem.engine.core import EngineCoreOutput, EngineStats
-from tandem.engine.core_proc import (
+from tandem.engine.messages import (
     ABORT,
     ADD,
     SHUTDOWN,
@@ -34,6 +33,8 @@ from tandem.engine.core_proc import (
     CoreMessage,
     CoreOutputs,
     CoreReady,
+    EngineCoreOutput,
+    EngineStats,
 )
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.outputs import RequestOutput

@@ -1,27 +1,46 @@
-"""EngineConfig: what a user sets. Derived values (dtype, device, max_model_len, number of KV
-blocks) are resolved by the engine and passed to components, never written back here."""
+"""EngineConfig: what a user sets, with each default and its help written once. The engine
+flags of `tandem serve` and `tandem generate` are generated from these fields.
+
+Derived values (dtype, device, max_model_len, number of KV blocks) are resolved when the
+engine is built and passed to components, never written back here.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def _flag(default, help: str, **argparse_kwargs):
+    """A field that is also a command-line flag (--name-with-dashes)."""
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # HF folder or .gguf file; None: the bundled default model
-    tokenizer: str | None = None  # default: the model's own
-    dtype: str = "auto"  # auto: bfloat16 on GPUs and CPUs with native bf16, else float32
-    device: str = "auto"  # auto: cuda if available, else cpu
-    seed: int = 0
-    block_size: int = 16
-    kv_cache_memory: float = 2.0  # GiB for the KV cache pool
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    num_kv_blocks: int | None = None  # usable KV blocks, overriding kv_cache_memory (tests, sims)
+    # The model is a positional argument of each sub-command, not a generated flag.
+    model: str | None = field(default=None, metadata={"cli": False})
+    tokenizer: str | None = _flag(None, "tokenizer folder (default: the model's own)", type=str)
+    dtype: str = _flag(
+        "auto",
+        "weights and KV dtype; auto: bfloat16 on GPUs and CPUs with native bf16, else float32",
+        choices=DTYPES,
+    )
+    device: str = _flag("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    seed: int = _flag(0, "seed for sampling without a per-request seed")
+    block_size: int = _flag(16, "tokens per KV cache block")
+    kv_cache_memory: float = _flag(2.0, "GiB for the KV cache pool")
+    enable_prefix_caching: bool = _flag(True, "reuse the KV of shared prompt prefixes")
+    max_num_seqs: int = _flag(256, "most sequences in one running batch")
+    max_num_batched_tokens: int = _flag(2048, "most tokens computed in one step")
+    max_model_len: int | None = _flag(
+        None, "longest prompt + output (default: the model's limit)", type=int
+    )
+    num_kv_blocks: int | None = _flag(
+        None, "usable KV blocks, overriding --kv-cache-memory (tests, simulations)", type=int
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -44,3 +63,28 @@ class EngineConfig:
             isinstance(self.max_model_len, int) and self.max_model_len >= 2
         ):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, named as vLLM's, with its default in the help."""
+    group = parser.add_argument_group("engine")
+    for f in fields(EngineConfig):
+        meta = dict(f.metadata)
+        if not meta.pop("cli", True):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_text = meta.pop("help")
+        if "(default" not in help_text:
+            help_text += f" (default: {f.default})"
+        if isinstance(f.default, bool):
+            group.add_argument(
+                flag, default=f.default, action=argparse.BooleanOptionalAction, help=help_text
+            )
+        else:
+            meta.setdefault("type", type(f.default))
+            group.add_argument(flag, default=f.default, help=help_text, **meta)
+
+
+def engine_config_from_args(args: argparse.Namespace, model: str | None) -> EngineConfig:
+    names = [f.name for f in fields(EngineConfig) if f.metadata.get("cli", True)]
+    return EngineConfig(model=model, **{name: getattr(args, name) for name in names})

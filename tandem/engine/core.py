@@ -1,140 +1,39 @@
-"""EngineCore: the step loop. Token ids in, token ids out; no text, no HTTP.
+"""EngineCore: the step loop. Token ids in, token ids out; no text, no HTTP, no torch.
 
     plan     = scheduler.schedule()
     result   = runner.execute(plan)
     finished = scheduler.update(plan, result.sampled)
 
-It runs in the caller's process (offline LLM) or in its own (the server, over ZMQ).
+It is assembled, never self-building: `EngineCore(scheduler, runner, clock)`. The composition
+roots (offline `LLM` and the engine-core process, through engine/builder.py; the simulator)
+build the parts. The real runner loads a model, a simulated one returns the cost model's step
+time; the loop cannot tell them apart.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
-import msgspec
-import torch
-
-from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.request import Request, RequestStatus
-from tandem.core.sampling_params import SamplingParams
-from tandem.core.scheduler import Scheduler, SchedulerConfig
-from tandem.engine.config import EngineConfig
-from tandem.model.loader import load_model, load_model_config, resolve_model
-from tandem.runner.model_runner import ModelRunner, kv_bytes_per_block
-
-log = logging.getLogger("tandem")
-
-
-class EngineCoreRequest(msgspec.Struct, array_like=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    arrival_time: float
-    priority: int = 0
-
-
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    request_id: str
-    new_token_ids: list[int]
-    # (token ids, logprobs, rank of the sampled token); ids[0] is the sampled token
-    logprobs: tuple[list[int], list[float], int] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    first_scheduled_time: float | None = None  # monotonic clock, for queue-time metrics
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_evicted_blocks: int
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        # bf16 where the hardware multiplies it natively; elsewhere torch emulates it and
-        # float32 is several times faster (measured: 5x on an AVX2-only EPYC).
-        fast_bf16 = device.type == "cuda" or _cpu_has_native_bf16()
-        return torch.bfloat16 if fast_bf16 else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def _cpu_has_native_bf16() -> bool:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return torch.device(name)
+from tandem.core.runner import Runner
+from tandem.core.scheduler import Scheduler
+from tandem.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, clock=time.monotonic) -> None:
-        self.config = config
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
-        self.model_path = resolve_model(config.model)
-        self.model_config = mcfg = load_model_config(self.model_path)
-        self.max_model_len = self._resolve_max_model_len(config.max_model_len)
-        self.eos_token_ids = mcfg.eos_token_ids
-
-        torch.manual_seed(config.seed)
-        model = load_model(self.model_path, mcfg, dtype, device, max_positions=self.max_model_len)
-        num_blocks = 1 + self._num_usable_blocks(kv_bytes_per_block(mcfg, config.block_size, dtype))
-        self.runner = ModelRunner(
-            model, mcfg, num_blocks, config.block_size, dtype, device, config.seed
-        )
-        kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        sched_cfg = SchedulerConfig(
-            config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
-        )
-        self.scheduler = Scheduler(sched_cfg, kv, clock)
-        self.last_step_timings: dict[str, float] = {}
-        log.info(
-            "engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
-            mcfg.architecture,
-            dtype,
-            device,
-            num_blocks - 1,
-            config.block_size,
-            self.max_model_len,
-        )
-
-    def _num_usable_blocks(self, block_bytes: int) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        n = int(self.config.kv_cache_memory * 2**30) // block_bytes
-        if n < 1:
-            raise ValueError(
-                f"kv_cache_memory must hold at least one KV block ({block_bytes} bytes), "
-                f"got {self.config.kv_cache_memory} GiB"
-            )
-        return n
-
-    def _resolve_max_model_len(self, requested: int | None) -> int:
-        limit = self.model_config.max_position_embeddings
-        if self.model_config.sliding_window:
-            # Attention here is full; within the window the two agree exactly.
-            limit = min(limit, self.model_config.sliding_window)
-        if requested is None:
-            return limit
-        if requested > limit:
-            raise ValueError(f"max_model_len must be <= {limit} for this model, got {requested}")
-        return requested
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: Runner,
+        clock: Callable[[], float],
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.scheduler, self.runner, self.clock = scheduler, runner, clock
+        self.eos_token_ids = eos_token_ids  # the model's, given to every request's params
+        # The last step scheduled and preempted nothing: only a new message (an add, an
+        # abort, KV arriving) can change that, so a loop around the core may block.
+        self.stalled = False
+        self.last_step_timings: dict[str, float] = {}  # seconds per phase, on `clock`
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -144,22 +43,25 @@ class EngineCore:
             req.request_id, req.prompt_token_ids, params, req.arrival_time, req.priority
         )
         self.scheduler.add_request(request)
+        self.stalled = False
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.stalled = False
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         plan = self.scheduler.schedule()
-        if plan.is_empty:
+        self.stalled = plan.is_empty and not plan.preempted_ids
+        if plan.is_empty and not plan.finished_ids:
             return []
-        t1 = time.perf_counter()
-        result = self.runner.execute(plan)
-        t2 = time.perf_counter()
+        t1 = self.clock()
+        result = self.runner.execute(plan)  # an empty plan still releases finished state
+        t2 = self.clock()
         self.scheduler.update(plan, result.sampled)
         outputs = []
         for s in plan.scheduled:
@@ -182,8 +84,8 @@ class EngineCore:
             )
         self.last_step_timings = {
             "schedule": t1 - t0,
-            **self.runner.timings,
-            "update": time.perf_counter() - t2,
+            **(result.timings or {"execute": t2 - t1}),  # the runner's phases, if it has them
+            "update": self.clock() - t2,
         }
         return outputs
 

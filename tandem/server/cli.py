@@ -14,7 +14,6 @@ import contextlib
 import logging
 import os
 import signal
-from pathlib import Path
 
 import uvicorn
 
@@ -22,7 +21,7 @@ log = logging.getLogger("tandem")
 
 
 def add_parser(sub) -> None:
-    from tandem.cli import add_engine_args
+    from tandem.engine.config import add_engine_args
 
     p = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
     p.add_argument(
@@ -64,7 +63,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem.cli import engine_config_from_args
+    from tandem.engine.config import engine_config_from_args
 
     if args.max_waiting is not None and args.max_waiting < 1:
         raise ValueError(f"max_waiting must be an integer >= 1, got {args.max_waiting}")
@@ -119,9 +118,9 @@ async def _serve(args: argparse.Namespace, config) -> int:
 def _default_name(model: str | None) -> str:
     if model is not None:
         return model
-    from tandem.model.loader import DEFAULT_MODEL_FILE
+    from tandem.core.model_config import DEFAULT_MODEL_NAME
 
-    return Path(DEFAULT_MODEL_FILE).name.split(".")[0]
+    return DEFAULT_MODEL_NAME
 
 
 class _Server(uvicorn.Server):

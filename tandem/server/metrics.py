@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from tandem.engine.core import EngineStats
+    from tandem.engine.messages import EngineStats
     from tandem.engine.outputs import RequestOutput
 
 # vLLM's buckets, so histograms line up with its dashboards

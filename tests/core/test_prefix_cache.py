@@ -124,3 +124,45 @@ def test_eviction_policy_is_pluggable():
         cache.on_released(block)
     assert cache.evict(1) == [2]
     assert b.block_id == 3 and cache.num_evictable == 2
+
+
+def test_a_cached_block_read_after_release_is_evicted_after_older_ones():
+    pool = BlockPool(8)
+    cache = RadixCache(2, pool.ref_cnt)
+    for block, key in ((1, (1, 2)), (2, (3, 4)), (3, (5, 6))):
+        cache.insert(None, key, block)
+        cache.on_released(block)  # released in the order 1, 2, 3
+    cache.match([1, 2], 1)  # block 1 is read again (a lookup that then was not admitted)
+    cache.check_invariants()
+    assert cache.evict(2) == [2, 3]
+    assert cache.evict(5) == [1]
+    cache.check_invariants()
+
+
+def test_a_parent_becomes_evictable_when_its_last_child_goes():
+    pool = BlockPool(8)
+    cache = RadixCache(1, pool.ref_cnt)
+    a = cache.insert(None, (1,), 1)
+    cache.insert(a, (2,), 2)
+    cache.on_released(2)
+    cache.on_released(1)
+    assert cache.evict(2) == [2, 1]  # the child first, then the parent it left a leaf
+    assert cache.num_cached_blocks == 0
+
+
+def test_eviction_order_stays_small_under_reference_churn():
+    """Taking and releasing a cached block over and over (a shared system prompt) must not
+    grow the eviction heap without bound."""
+    pool = BlockPool(8)
+    cache = RadixCache(1, pool.ref_cnt)
+    for block in (1, 2):
+        cache.insert(None, (block,), block)
+        cache.on_released(block)
+    for _ in range(10_000):
+        pool.ref_cnt[1] = 1
+        cache.on_referenced(1)
+        pool.ref_cnt[1] = 0
+        cache.on_released(1)
+    cache.check_invariants()
+    assert len(cache._heap) <= 2 * cache.num_evictable + 65
+    assert cache.evict(2) == [2, 1]  # block 1 was released last

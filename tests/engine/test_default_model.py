@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.model.loader import default_model_path
+from tandem.core.model_config import default_model_path
 
 
 def test_default_model_first_32_greedy_tokens_equal_hf_on_the_same_gguf():

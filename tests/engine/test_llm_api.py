@@ -213,3 +213,12 @@ def test_missing_model_path_and_missing_weights_are_refused(llama_path, tmp_path
 def test_invalid_engine_settings_are_refused_by_name(llama_path, kwargs, field):
     with pytest.raises(ValueError, match=field):
         LLM(str(llama_path), **kwargs)
+
+
+def test_seeded_sampler_state_is_released_by_a_step_that_schedules_nothing(llm):
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=3, ignore_eos=True)
+    llm.generate(["Hello", "there"], params, use_tqdm=False)
+    sampler = llm.engine.runner.sampler
+    assert sampler._seeded  # the requests finished in the last step; nobody told the runner
+    assert llm.engine.step() == []
+    assert not sampler._seeded

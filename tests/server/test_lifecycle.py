@@ -81,17 +81,24 @@ def test_sigterm_drains_then_aborts_then_exits_0(draining_server):
     srv = draining_server
     core = srv.core_pid
     results: dict[str, list] = {}
+    started = {"short": threading.Event(), "long": threading.Event()}
 
     def stream(name: str, max_tokens: int) -> None:
         body = {**LONG, "max_tokens": max_tokens, "stream": True}
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=120) as r:
-            results[name] = [line for line in r.iter_lines() if line]
+            results[name] = []
+            for line in r.iter_lines():
+                started[name].set()
+                if line:
+                    results[name].append(line)
 
+    # The tiny model decodes ~1000 tokens/s here: the long request outlives the short one
+    # by about a second, which the signals below need only a fraction of.
     short = threading.Thread(target=stream, args=("short", 24))
     long = threading.Thread(target=stream, args=("long", 1000))
     short.start()
     long.start()
-    _until(lambda: srv.metrics()["tandem:num_requests_running"] == 2)
+    assert started["short"].wait(20) and started["long"].wait(20)
     srv.proc.send_signal(signal.SIGTERM)
     _until(lambda: httpx.get(f"{srv.url}/health").status_code == 503, timeout=5)
     r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x"})

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.core.sampling_params import SamplingParams
-from tandem.engine.core import EngineCoreOutput
+from tandem.engine.messages import EngineCoreOutput
 from tandem.engine.output_processor import OutputProcessor
 from tandem.server.deltas import ChoiceCursor, held_back
 from tandem.server.errors import APIError

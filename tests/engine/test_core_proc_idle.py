@@ -1,0 +1,57 @@
+"""The engine-core process blocks on its socket while its work cannot progress: it spends no
+CPU until a message arrives, then steps once and blocks again."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from tandem.engine.messages import ABORT, SHUTDOWN, CoreMessage, CoreOutputs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, in clock ticks
+
+
+def test_core_with_a_parked_request_uses_no_cpu_until_a_message_arrives(tmp_path):
+    ctx = zmq.Context()
+    inbox, outbox = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    inbox.bind(f"ipc://{tmp_path}/in")
+    outbox.bind(f"ipc://{tmp_path}/out")
+    decoder = msgspec.msgpack.Decoder(CoreMessage)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.engine.parked_core", f"ipc://{tmp_path}/in",
+         f"ipc://{tmp_path}/out"],
+        cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert outbox.poll(30_000), "the loop never stepped"
+        first = decoder.decode(outbox.recv())
+        assert isinstance(first, CoreOutputs) and first.stats.num_waiting == 1
+        time.sleep(0.5)  # past start-up
+        before, sent = _cpu_seconds(proc.pid), 0
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:  # keep reading, so a spinning loop never blocks on send
+            if outbox.poll(20):
+                outbox.recv()
+                sent += 1
+        used = _cpu_seconds(proc.pid) - before
+        assert used < 0.05, f"the parked core spun: {used:.2f} CPU seconds in 1 s"
+        assert sent == 0, f"it stepped {sent} times with nothing new"
+
+        inbox.send_multipart([ABORT, msgspec.msgpack.encode(["nobody"])])
+        assert outbox.poll(5_000)
+        assert decoder.decode(outbox.recv()).stats.num_waiting == 2  # one step per message
+        assert not outbox.poll(300)
+    finally:
+        inbox.send_multipart([SHUTDOWN])
+        assert proc.wait(10) == 0
+        ctx.destroy(linger=0)
