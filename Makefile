@@ -9,7 +9,7 @@ serve: setup
 	.venv/bin/tandem serve $(ARGS)
 
 generate: setup
-	.venv/bin/tandem generate $(or $(ARGS),"Write a haiku about paged attention.")
+	.venv/bin/tandem generate $(or $(ARGS),--chat "Write a haiku about paged attention.")
 
 lint: setup
 	.venv/bin/ruff check tandem tests benchmarks

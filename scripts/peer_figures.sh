@@ -11,7 +11,7 @@ mkdir -p results
 fig() {  # fig NAME ARGS...
   local name="$1"; shift
   if [[ -z "${FORCE:-}" && -f "bench-results/$name.json" ]]; then echo "skip $name (done)"; return; fi
-  tandem bench compare "$@" --result-filename "$name" 2>&1 | tee "results/$name.log"
+  tandem bench compare "$@" --result-filename "$name.json" 2>&1 | tee "results/$name.log"
 }
 PEERS=("$@"); [ ${#PEERS[@]} -eq 0 ] && PEERS=(vllm llamacpp)
 for PEER in "${PEERS[@]}"; do

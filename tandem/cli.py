@@ -16,8 +16,11 @@ SUBCOMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tandem import __version__
+
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="tandem", description="LLM inference serving")
+    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     wanted = argv[0] if argv and argv[0] in SUBCOMMANDS else None
     modules = {}
@@ -27,12 +30,40 @@ def main(argv: list[str] | None = None) -> int:
             modules[name].add_parser(sub)
         else:
             sub.add_parser(name)
-    args = parser.parse_args(argv)
+    _show_defaults(parser)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the sub-command's usage, not the top level's
+        _innermost(parser, argv).error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return modules[args.command].run(args) or 0
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices
+    return {}
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every flag's help ends with its default, unless it says the default in words."""
+    for action in parser._actions:
+        if not action.option_strings or action.default is argparse.SUPPRESS:
+            continue
+        if action.help is argparse.SUPPRESS or "(default" in (action.help or ""):
+            continue
+        action.help = f"{action.help or ''} (default: %(default)s)".strip()
+    for child in _subcommands(parser).values():
+        _show_defaults(child)
+
+
+def _innermost(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    for token in argv:
+        parser = _subcommands(parser).get(token, parser)
+    return parser
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 DATASETS = ["random", "sharegpt", "shared-prefix", "multi-turn", "multi-class", "custom"]
 
@@ -53,6 +54,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--endpoint", default=None, help="path to POST to (default from --backend)")
     g.add_argument("--model", default=None, help="model name to send (default: /v1/models)")
     g.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="sent as `Authorization: Bearer KEY` (default: $OPENAI_API_KEY, as vLLM's bench)",
+    )
+    g.add_argument(
         "--tokenizer", default=None, help="HF folder or .gguf to count tokens (default model)"
     )
     g.add_argument("--temperature", type=float, default=0.0)
@@ -63,9 +69,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=None, help="seconds per request")
     g.add_argument(
         "--ready-timeout",
+        "--ready-check-timeout-sec",
         type=float,
-        default=60.0,
-        help="retry the first request this long (0: off)",
+        default=600.0,
+        help="wait this long for a starting server: /v1/models, then one test request (0: "
+        "skip the test request)",
     )
 
     g = p.add_argument_group("workload")
@@ -120,7 +128,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save-result", action="store_true")
     g.add_argument("--save-detailed", action="store_true", help="per-request fields in the JSON")
     g.add_argument("--result-dir", default="bench-results")
-    g.add_argument("--result-filename", default=None, help="file name stem")
+    g.add_argument(
+        "--result-filename",
+        default=None,
+        help="the JSON file's name inside --result-dir (a sweep adds each point's suffix)",
+    )
     g.add_argument("--plot", action="store_true", help="write PNG plots to --result-dir")
     g.add_argument("--disable-tqdm", action="store_true")
 

@@ -16,6 +16,7 @@ the first token does not look faster than it is.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -139,12 +140,30 @@ def make_client(timeout: float | None = None) -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits, trust_env=False)
 
 
-async def first_model(base_url: str) -> str:
-    """The first model a server lists under /v1/models."""
+def auth_headers(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def first_model(base_url: str, headers: dict | None = None, wait: float = 0.0) -> str:
+    """The first model a server lists under /v1/models, waiting up to `wait` seconds for a
+    server that is still starting (refusing connections, or 503)."""
+    url = f"{base_url}/v1/models"
+    deadline = time.monotonic() + wait
     async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
-        resp = await client.get(f"{base_url}/v1/models")
-        resp.raise_for_status()
-        models = resp.json().get("data") or []
+        while True:
+            try:
+                resp = await client.get(url, headers=headers)
+                if resp.status_code != 503:
+                    break
+                problem = "503"
+            except httpx.TransportError as e:
+                problem = f"{type(e).__name__}: {e}"
+            if time.monotonic() >= deadline:
+                raise ValueError(f"server: {url} did not answer ({problem})")
+            await asyncio.sleep(0.5)
+    if resp.status_code != 200:
+        raise ValueError(f"server: {url} answered HTTP {resp.status_code}: {resp.text[:200]}")
+    models = resp.json().get("data") or []
     if not models:
-        raise ValueError(f"server: {base_url}/v1/models lists no model; pass --model")
+        raise ValueError(f"server: {url} lists no model; pass --model")
     return models[0]["id"]

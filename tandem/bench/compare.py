@@ -100,7 +100,8 @@ def bench_server(args, prep, server, url: str | None, label: str) -> list:
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.result_dir)
-    name = args.result_filename or f"compare-{args.dataset_name}-{args.peer}"
+    doc_path = out / (args.result_filename or f"compare-{args.dataset_name}-{args.peer}.json")
+    name = doc_path.stem
     prep = bench.prepare(args)
     print(
         f"workload: {args.dataset_name}, {bench.num_requests(prep.sessions)} requests, seed {args.seed}"
@@ -123,10 +124,10 @@ def run(args: argparse.Namespace) -> int:
         "tandem": [p.result for p in ours],
         args.peer: [p.result for p in theirs],
     }
-    print(f"comparison saved to {save_json(doc, out / f'{name}.json')}")
+    print(f"comparison saved to {save_json(doc, doc_path)}")
     if args.plot:
         _plot(out, name, args.peer, ours, theirs)
-    return 0
+    return 1 if bench.report_failures(ours + theirs) else 0
 
 
 def _plot(out: Path, name: str, peer: str, ours, theirs) -> None:

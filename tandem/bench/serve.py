@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tandem.bench import metrics
 from tandem.bench.arrivals import parse_rates
-from tandem.bench.client import RequestSpec, first_model, make_client, send
+from tandem.bench.client import RequestSpec, auth_headers, first_model, make_client, send
 from tandem.bench.results import build_result, format_summary, format_sweep, rate_value, save_json
 from tandem.bench.runner import RunConfig, RunResult, run_workload
 from tandem.bench.workloads import LengthRange, RequestClass, Session, num_requests
@@ -139,6 +139,7 @@ def request_spec(args, base_url: str, model: str) -> RequestSpec:
         temperature=args.temperature,
         ignore_eos=args.ignore_eos,
         extra_body=json.loads(args.extra_body) if args.extra_body else {},
+        headers=auth_headers(args.api_key),
     )
 
 
@@ -158,9 +159,10 @@ async def wait_ready(spec: RequestSpec, session: Session, timeout: float) -> Non
 
 async def run_points(args, prep: Prepared, base_url: str, label: str = "") -> list[Point]:
     """Every rate x concurrency point of the run, then the max-rate search if asked."""
-    model = (
-        args.model if args.model and not _local_model(args.model) else await first_model(base_url)
-    )
+    if args.model and not _local_model(args.model):
+        model = args.model
+    else:  # a server just started may not answer yet: wait for it as for the test request
+        model = await first_model(base_url, auth_headers(args.api_key), args.ready_timeout)
     spec = request_spec(args, base_url, model)
     if args.ready_timeout > 0:
         # A prompt from outside every point, so the check warms no cache for the run.
@@ -251,13 +253,19 @@ def report(args, points: list[Point], name: str) -> None:
     if not (args.save_result or args.plot):
         return
     out = Path(args.result_dir)
-    base = args.result_filename or name
+    # --result-filename is the file itself inside --result-dir (an absolute one stays as it is)
+    target = out / args.result_filename if args.result_filename else out / f"{name}.json"
+    base = target.stem
     if args.save_result:
-        for p in points:
-            save_json(p.result, out / f"{base}{_point_suffix(p, len(points))}.json")
+        ext = target.suffix or ".json"
+        for p in points:  # one point: exactly the target; a sweep: a file per point beside it
+            path = target.with_name(f"{base}{_point_suffix(p, len(points))}{ext}")
+            save_json(p.result, target if len(points) == 1 else path)
         if len(points) > 1:
-            save_json({"points": [p.result for p in points]}, out / f"{base}-sweep.json")
-        print(f"results saved under {out}/{base}*.json")
+            save_json(
+                {"points": [p.result for p in points]}, target.with_name(f"{base}-sweep.json")
+            )
+        print(f"results saved as {target.parent}/{base}*")
     if args.plot:
         runs = {_point_label(p): p.run.results for p in points}
         plots.latency_cdfs(runs, out / f"{base}-cdf.png", title=base)
@@ -295,4 +303,17 @@ def run(args: argparse.Namespace) -> int:
     )
     points = asyncio.run(run_points(args, prep, base_url))
     report(args, points, default_name(args))
-    return 0
+    return 1 if report_failures(points) else 0
+
+
+def report_failures(points: list[Point]) -> bool:
+    """Print the first errors of every point whose requests all failed; True if any did."""
+    failed = False
+    for p in points:
+        results = p.run.results
+        if results and not any(r.success for r in results):
+            failed = True
+            print(f"error: all {len(results)} requests failed at {_point_label(p)}; first errors:")
+            for err in list(dict.fromkeys(r.error for r in results))[:3]:
+                print(f"  {err}")
+    return failed

@@ -138,12 +138,16 @@ class KVCacheManager:
             cursor.node, cursor.num_blocks = node, i + 1
 
     # ---- release -------------------------------------------------------------------
-    def free(self, request: Request) -> None:
-        """Drop the request's references. Cached blocks stay for reuse until evicted."""
+    def free(self, request: Request, keep_cached: bool = True) -> None:
+        """Drop the request's references. Cached blocks stay for reuse until evicted, unless
+        `keep_cached` is False (the request failed mid-step: KV it published may be unwritten),
+        which drops those nobody else holds from the cache."""
         released = self.pool.decref(list(reversed(request.block_ids)))
         for b in released:
             if self.cache is not None and self.cache.contains(b):
                 self.cache.on_released(b)
+                if not keep_cached:
+                    self.pool.put_free(self.cache.discard(b))
             else:
                 self.pool.put_free([b])
         request.block_ids = []

@@ -153,6 +153,23 @@ class RadixCache:
         self.num_evicted += len(freed)
         return freed
 
+    def discard(self, block_id: int) -> list[int]:
+        """Drop an unreferenced node and the (unreferenced) subtree under it, whatever their
+        rank: their KV cannot be trusted. Returns the freed block ids."""
+        node = self._nodes[block_id]
+        freed, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            assert self._ref_cnt[n.block_id] == 0, "discarding a block in use"
+            stack.extend(n.children.values())
+            freed.append(n.block_id)
+        for b in reversed(freed):  # leaves first, so each is detached from a live parent
+            self._remove(self._nodes[b])
+        parent = node.parent
+        if parent is not self.root and not parent.children and self._ref_cnt[parent.block_id] == 0:
+            self._add_evictable(parent)
+        return freed
+
     def clear(self) -> list[int]:
         """Drop every unreferenced node (for reset); return the freed block ids."""
         return self.evict(len(self._nodes))

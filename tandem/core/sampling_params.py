@@ -11,12 +11,19 @@ from dataclasses import dataclass, field
 
 # Below this temperature a request is greedy (argmax), as in vLLM.
 GREEDY_EPSILON = 1e-5
-MAX_LOGPROBS = 20
+# n parallel samples at most: each is its own sequence, built when the request arrives.
+MAX_N = 256
+# Integers cross the process boundary as 64-bit (msgpack) and reach torch as int64.
+INT64_MAX = 2**63 - 1
 
 
 def _check(ok: bool, name: str, allowed: str, value) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        raise ValueError(f"{name} must be {allowed}, got {value!r:.100}")
+
+
+def _is_int(value, low: int = 0, high: int = INT64_MAX) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 @dataclass
@@ -51,15 +58,10 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
+        _check(_is_int(self.n, 1, MAX_N), "n", f"an integer in [1, {MAX_N}]", self.n)
         _check(self.temperature >= 0, "temperature", ">= 0", self.temperature)
         _check(0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
-        _check(
-            isinstance(self.top_k, int) and self.top_k >= 0,
-            "top_k",
-            "-1, 0 or a positive integer",
-            self.top_k,
-        )
+        _check(_is_int(self.top_k), "top_k", "-1, 0 or a positive 64-bit integer", self.top_k)
         _check(0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
         _check(
             -2 <= self.presence_penalty <= 2,
@@ -75,17 +77,12 @@ class SamplingParams:
         )
         _check(self.repetition_penalty > 0, "repetition_penalty", "> 0", self.repetition_penalty)
         _check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            self.max_tokens is None or _is_int(self.max_tokens, 1),
             "max_tokens",
             "an integer >= 1",
             self.max_tokens,
         )
-        _check(
-            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
-            "min_tokens",
-            "an integer >= 0",
-            self.min_tokens,
-        )
+        _check(_is_int(self.min_tokens), "min_tokens", "an integer >= 0", self.min_tokens)
         _check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             "min_tokens",
@@ -93,10 +90,9 @@ class SamplingParams:
             self.min_tokens,
         )
         _check(
-            self.logprobs is None
-            or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            self.logprobs is None or _is_int(self.logprobs),
             "logprobs",
-            f"an integer in [0, {MAX_LOGPROBS}]",
+            "an integer >= 0",
             self.logprobs,
         )
         _check(
@@ -106,12 +102,34 @@ class SamplingParams:
             self.stop,
         )
         _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            all(_is_int(t) for t in self.stop_token_ids),
             "stop_token_ids",
-            "a list of non-negative integers",
+            "a list of non-negative 64-bit integers",
             self.stop_token_ids,
         )
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "an integer", self.seed)
+        # The i-th of n samples is seeded seed + i: all of them must be 64-bit.
+        _check(
+            self.seed is None or _is_int(self.seed, -(2**63), INT64_MAX - self.n + 1),
+            "seed",
+            f"a 64-bit integer (at most {INT64_MAX - self.n + 1} with n={self.n})",
+            self.seed,
+        )
+
+    def check_for_model(
+        self, vocab_size: int, max_logprobs: int, logprobs_field: str = "logprobs"
+    ) -> None:
+        """What depends on the model and engine: token ids must exist in the vocabulary, and
+        logprobs stay within the engine's max_logprobs (logprobs_field: the name the client
+        used, e.g. top_logprobs in chat)."""
+        bad = next((t for t in self.stop_token_ids if t >= vocab_size), None)
+        _check(bad is None, "stop_token_ids", f"token ids in [0, {vocab_size})", bad)
+        limit = min(max_logprobs, vocab_size)
+        _check(
+            self.logprobs is None or self.logprobs <= limit,
+            logprobs_field,
+            f"an integer in [0, {limit}] (max_logprobs)",
+            self.logprobs,
+        )
 
     @property
     def greedy(self) -> bool:

@@ -106,6 +106,8 @@ class Scheduler:
         leaves no room for output, or it could outgrow the whole KV pool (it would wait or be
         preempted forever)."""
         limit = self.config.max_model_len
+        if num_prompt_tokens < 1:
+            raise ValueError("prompt: must not be empty (it has no tokens)")
         if num_prompt_tokens >= limit:
             raise ValueError(
                 f"prompt: {num_prompt_tokens} tokens is too long; max_model_len is {limit} "
@@ -232,7 +234,8 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
-        self.kv.free(req)
+        # A request that failed mid-step may have published blocks whose KV was never written.
+        self.kv.free(req, keep_cached=status != RequestStatus.FINISHED_ERROR)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
 

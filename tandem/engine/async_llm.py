@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from typing import Protocol
 
 import msgspec
@@ -43,12 +44,32 @@ from tandem.engine.tokenizer import load_tokenizer
 log = logging.getLogger("tandem")
 
 
-class EngineDeadError(RuntimeError):
-    """The engine core process failed; no request can be served."""
+class RequestError(RuntimeError):
+    """A request ended without its completion; `status` is the HTTP status that says why."""
+
+    status = 500
 
 
-class RequestAbortedError(RuntimeError):
-    """The server aborted the request (shutdown deadline passed, or the core refused it)."""
+class EngineDeadError(RequestError):
+    """The engine core process failed; no request can be served (the server exits)."""
+
+    status = 503
+
+
+class RequestAbortedError(RequestError):
+    """The server aborted the request (its shutdown deadline passed)."""
+
+    status = 503
+
+
+class RequestRejectedError(RequestError):
+    """The core refused the request at intake (a check the server had not made)."""
+
+    status = 400
+
+
+class RequestFailedError(RequestError):
+    """Computing this request failed in the engine; the other requests went on."""
 
 
 class Observer(Protocol):
@@ -152,6 +173,7 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.processor = OutputProcessor(tokenizer)
         self.observer: Observer | None = None
+        self.on_dead: Callable[[str], None] | None = None  # the server exits on it
         self.stats: EngineStats | None = None
         self.dead: str | None = None  # why the core died, once it has
         self._collectors: dict[str, _Collector] = {}
@@ -227,6 +249,12 @@ class AsyncLLM:
         return max(waiting, len(self._unscheduled) - free)
 
     @property
+    def num_free_slots(self) -> int:
+        """Places in the running batch not taken by running or just-sent sequences."""
+        running = self.stats.num_running if self.stats else 0
+        return max(0, self.config.max_num_seqs - running - len(self._unscheduled))
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._collectors)
 
@@ -245,10 +273,15 @@ class AsyncLLM:
         core_requests = self.processor.add_request(
             request_id, prompt, prompt_token_ids, params, time.monotonic(), priority
         )
+        try:  # built whole before anything is registered or sent: a failure leaves no trace
+            payloads = [self._encoder.encode(creq) for creq in core_requests]
+        except (OverflowError, TypeError, ValueError) as e:
+            self.processor.abort(request_id)
+            raise ValueError(f"request: cannot be encoded for the engine: {e}") from None
         collector = self._collectors[request_id] = _Collector()
-        for creq in core_requests:
+        for creq, payload in zip(core_requests, payloads):
             self._unscheduled.add(creq.request_id)
-            self._send(ADD, self._encoder.encode(creq))
+            self._send(ADD, payload)
         return RequestStream(self, request_id, collector)
 
     def _release(self, request_id: str, abort: bool) -> None:
@@ -295,7 +328,10 @@ class AsyncLLM:
             if self.observer is not None:
                 self.observer.on_stats(msg.stats)
         for child_id, reason in msg.rejected:
-            self._reject(child_id, reason)
+            self._fail_request(child_id, RequestRejectedError(reason))
+        for o in msg.outputs:
+            if o.error is not None:
+                self._fail_request(o.request_id, RequestFailedError(o.error))
         if not msg.outputs:
             return
         self._unscheduled.difference_update(o.request_id for o in msg.outputs)
@@ -309,18 +345,19 @@ class AsyncLLM:
             if collector is not None:
                 collector.put(output)
 
-    def _reject(self, child_id: str, reason: str) -> None:
-        for request_id in list(self._collectors):
-            if child_id in self.processor.child_ids(request_id):
-                collector = self._collectors.pop(request_id)
-                self.abort(request_id)
-                collector.fail(RequestAbortedError(reason))
+    def _fail_request(self, child_id: str, error: RequestError) -> None:
+        """One of a request's sequences cannot finish: the request fails, its others stop."""
+        request_id = self.processor.parent_id(child_id)
+        collector = self._collectors.pop(request_id, None) if request_id else None
+        if collector is not None:
+            self.abort(request_id)
+            collector.fail(error)
 
     async def _watch_core(self) -> None:
         while self.proc.poll() is None:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.2)
         if not self._closing:
-            await asyncio.sleep(0.5)  # let a CoreFailed message with the reason land first
+            await asyncio.sleep(0.2)  # let a CoreFailed message with the reason land first
             self._fail(f"engine core process exited with code {self.proc.returncode}")
 
     def _fail(self, reason: str) -> None:
@@ -330,6 +367,8 @@ class AsyncLLM:
         self.dead = reason
         for collector in self._collectors.values():
             collector.fail(EngineDeadError(reason))
+        if self.on_dead is not None:
+            self.on_dead(reason)
 
 
 async def _wait_ready(proc: subprocess.Popen, outbox) -> CoreReady:

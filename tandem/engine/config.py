@@ -8,9 +8,14 @@ engine is built and passed to components, never written back here.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
+# GiB for the KV cache when no flag sets it: vLLM's VLLM_CPU_KVCACHE_SPACE, under our name.
+KV_CACHE_SPACE_ENV = "TANDEM_CPU_KVCACHE_SPACE"
+DEFAULT_KV_CACHE_GIB = 2.0
 
 
 def _flag(default, help: str, **argparse_kwargs):
@@ -25,13 +30,27 @@ class EngineConfig:
     tokenizer: str | None = _flag(None, "tokenizer folder (default: the model's own)", type=str)
     dtype: str = _flag(
         "auto",
-        "weights and KV dtype; auto: bfloat16 on GPUs and CPUs with native bf16, else float32",
-        choices=DTYPES,
+        "weights and KV dtype; auto: bfloat16 on GPUs and CPUs with native bf16, else float32 "
+        "(half = float16, float = float32)",
+        choices=(*DTYPES, *DTYPE_ALIASES),
     )
     device: str = _flag("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     seed: int = _flag(0, "seed for sampling without a per-request seed")
     block_size: int = _flag(16, "tokens per KV cache block")
-    kv_cache_memory: float = _flag(2.0, "GiB for the KV cache pool")
+    kv_cache_memory: float | None = _flag(
+        None,
+        f"GiB for the KV cache pool (default: ${KV_CACHE_SPACE_ENV} if set; on CUDA, "
+        f"--gpu-memory-utilization; else {DEFAULT_KV_CACHE_GIB})",
+        type=float,
+    )
+    kv_cache_memory_bytes: int | None = _flag(
+        None, "bytes for the KV cache pool, overriding --kv-cache-memory (as vLLM's)", type=int
+    )
+    gpu_memory_utilization: float = _flag(
+        0.9,
+        "on CUDA, the share of GPU memory the engine may use (weights, activations and the KV "
+        "pool sized from what is left, as vLLM); ignored on the CPU",
+    )
     enable_prefix_caching: bool = _flag(True, "reuse the KV of shared prompt prefixes")
     max_num_seqs: int = _flag(256, "most sequences in one running batch")
     max_num_batched_tokens: int = _flag(2048, "most tokens computed in one step")
@@ -41,16 +60,35 @@ class EngineConfig:
     num_kv_blocks: int | None = _flag(
         None, "usable KV blocks, overriding --kv-cache-memory (tests, simulations)", type=int
     )
+    max_logprobs: int = _flag(20, "most logprobs a request may ask for per token")
+    trust_remote_code: bool = _flag(
+        False,
+        "accepted for vLLM's scripts; no remote code is ever run (architectures are built in)",
+    )
+    enforce_eager: bool = _flag(
+        False, "accepted for vLLM's scripts; tandem always runs eagerly (no graph capture)"
+    )
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if not (isinstance(self.block_size, int) and 1 <= self.block_size <= 1024):
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
-        if not self.kv_cache_memory > 0:
+        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be > 0 (GiB), got {self.kv_cache_memory!r}")
+        if self.kv_cache_memory_bytes is not None and not self.kv_cache_memory_bytes >= 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes!r}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if not (isinstance(self.max_logprobs, int) and self.max_logprobs >= 0):
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
@@ -88,3 +126,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace, model: str | None) -> EngineConfig:
     names = [f.name for f in fields(EngineConfig) if f.metadata.get("cli", True)]
     return EngineConfig(model=model, **{name: getattr(args, name) for name in names})
+
+
+def kv_cache_setting(config: EngineConfig) -> tuple[int | None, str]:
+    """(bytes for the KV pool, which setting says so); None bytes: size it from
+    --gpu-memory-utilization (CUDA only, once the model is loaded)."""
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
+    if config.kv_cache_memory is not None:
+        return int(config.kv_cache_memory * 2**30), "--kv-cache-memory"
+    env = os.environ.get(KV_CACHE_SPACE_ENV)
+    if env:
+        try:
+            gib = float(env)
+        except ValueError:
+            gib = -1.0
+        if not gib > 0:
+            raise ValueError(f"{KV_CACHE_SPACE_ENV} must be a number of GiB > 0, got {env!r}")
+        return int(gib * 2**30), f"${KV_CACHE_SPACE_ENV}"
+    return None, "default"

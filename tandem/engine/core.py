@@ -12,12 +12,15 @@ time; the loop cannot tell them apart.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from tandem.core.request import Request, RequestStatus
-from tandem.core.runner import Runner
-from tandem.core.scheduler import Scheduler
+from tandem.core.runner import Runner, RunnerOutput
+from tandem.core.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
+
+log = logging.getLogger("tandem")
 
 
 class EngineCore:
@@ -60,10 +63,15 @@ class EngineCore:
         if plan.is_empty and not plan.finished_ids:
             return []
         t1 = self.clock()
-        result = self.runner.execute(plan)  # an empty plan still releases finished state
+        try:
+            result = self.runner.execute(plan)  # an empty plan still releases finished state
+            errors = {}
+        except Exception:
+            log.exception("a step of %d requests failed; retrying each alone", len(plan.scheduled))
+            result, errors = self._execute_one_by_one(plan)
         t2 = self.clock()
+        outputs = self._fail(errors)
         self.scheduler.update(plan, result.sampled)
-        outputs = []
         for s in plan.scheduled:
             req = s.request
             token = result.sampled.get(req.request_id)
@@ -88,6 +96,35 @@ class EngineCore:
             "update": self.clock() - t2,
         }
         return outputs
+
+    def _execute_one_by_one(self, plan: SchedulerOutput) -> tuple[RunnerOutput, dict[str, str]]:
+        """After a failed step, run its requests one at a time, so the one that breaks the
+        runner (a bug its input exposes) fails alone and the rest go on. Rewriting a slot's
+        KV writes the same values, so computing a chunk again is harmless."""
+        merged, errors = RunnerOutput(), {}
+        finished_ids = plan.finished_ids
+        for s in plan.scheduled:
+            alone = SchedulerOutput(scheduled=[s], finished_ids=finished_ids)
+            finished_ids = []
+            try:
+                result = self.runner.execute(alone)
+            except Exception as e:
+                log.exception("request %s failed in the runner", s.request.request_id)
+                errors[s.request.request_id] = f"{type(e).__name__}: {e}"
+                continue
+            merged.sampled.update(result.sampled)
+            merged.logprobs.update(result.logprobs)
+        return merged, errors
+
+    def _fail(self, errors: dict[str, str]) -> list[EngineCoreOutput]:
+        """Finish the requests the runner failed on; their outputs say why."""
+        failed = self.scheduler.finish_requests(list(errors), RequestStatus.FINISHED_ERROR)
+        return [
+            EngineCoreOutput(
+                r.request_id, [], finish_reason=r.finish_reason, error=errors[r.request_id]
+            )
+            for r in failed
+        ]
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv

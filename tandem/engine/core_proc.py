@@ -84,8 +84,9 @@ class EngineCoreProc:
             request = self.request_decoder.decode(frames[1])
             try:
                 self.core.add_request(request)
-            except ValueError as e:
-                self.rejected.append((request.request_id, str(e)))
+            except Exception as e:  # one bad request never takes the core down
+                reason = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+                self.rejected.append((request.request_id, reason))
         elif kind == ABORT:
             self.core.abort_requests(self.abort_decoder.decode(frames[1]))
         elif kind == SHUTDOWN:

@@ -75,8 +75,7 @@ class LLM:
         return list(prompt)
 
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise ValueError("prompt: must not be empty")
+        params.check_for_model(self.model_config.vocab_size, self.config.max_logprobs)
         self.engine.scheduler.check_request(len(ids), params.max_tokens)
 
     def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:

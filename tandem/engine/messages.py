@@ -35,6 +35,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # the core's clock, for queue-time metrics
+    error: str | None = None  # finish_reason "error": what went wrong computing this request
 
 
 @dataclass

@@ -109,6 +109,10 @@ class OutputProcessor:
             self._children[creq.request_id] = (parent, seq)
         return core_requests
 
+    def parent_id(self, child_id: str) -> str | None:
+        entry = self._children.get(child_id)
+        return entry[0].request_id if entry else None
+
     def child_ids(self, request_id: str) -> list[str]:
         parent = self._parents.get(request_id)
         if parent is None:

@@ -2,14 +2,16 @@
 
 Dequantizing and rebuilding the tokenizer from GGUF metadata takes ~15 s for the default
 model, so the result (config.json, float32 safetensors, tokenizer files) is cached under
-`$TANDEM_CACHE_DIR` (default ~/.cache/tandem), keyed by the file's path, size and mtime.
-Every later load is an ordinary safetensors load.
+`$TANDEM_CACHE_DIR` (default ~/.cache/tandem), keyed by a hash of the file's contents, so
+copies of one file at other paths share it. The hash itself is remembered per (path, size,
+mtime), so it is computed once per copy. Every later load is an ordinary safetensors load.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -17,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+log = logging.getLogger("tandem")
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
 _LAYER_NAMES = {
@@ -43,15 +47,13 @@ def cache_root() -> Path:
 
 def gguf_as_hf_folder(path: Path) -> Path:
     """The HF-format folder for a GGUF file, converting it on first use."""
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[
-        :16
-    ]
+    key = content_key(path)
     folder = cache_root() / "gguf" / f"{path.stem}-{key}"
     if (folder / "config.json").exists():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
+    log.info("dequantizing %s to %s (once; later starts load the result)", path.name, folder)
     try:
         _convert(path, tmp)
         os.replace(tmp, folder)
@@ -61,6 +63,23 @@ def gguf_as_hf_folder(path: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def content_key(path: Path) -> str:
+    """A hash of the file's bytes, remembered in the cache per (path, size, mtime)."""
+    st = path.stat()
+    stamp = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    memo = cache_root() / "gguf" / "hashes" / hashlib.sha256(stamp.encode()).hexdigest()[:32]
+    if memo.exists():
+        return memo.read_text()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    key = digest.hexdigest()[:16]
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    memo.write_text(key)
+    return key
 
 
 def _convert(path: Path, out: Path) -> None:

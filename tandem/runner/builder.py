@@ -4,6 +4,7 @@ loop never loads a model and never sees torch."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,8 +17,11 @@ from tandem.core.capacity import (
     resolve_max_model_len,
 )
 from tandem.core.model_config import ModelConfig
+from tandem.engine.config import DEFAULT_KV_CACHE_GIB, kv_cache_setting
 from tandem.model.loader import load_model, resolve_model
 from tandem.runner.model_runner import ModelRunner
+
+log = logging.getLogger("tandem")
 
 
 @dataclass(frozen=True)
@@ -40,13 +44,46 @@ def build_model_runner(config) -> LoadedRunner:
     max_model_len = resolve_max_model_len(mcfg, config.max_model_len)
     torch.manual_seed(config.seed)
     model = load_model(path, mcfg, dtype, device, max_positions=max_model_len)
+    block_bytes = kv_bytes_per_block(mcfg, config.block_size, dtype.itemsize)
     usable = config.num_kv_blocks or num_blocks_for_memory(
-        int(config.kv_cache_memory * GiB),
-        kv_bytes_per_block(mcfg, config.block_size, dtype.itemsize),
+        kv_pool_bytes(config, mcfg, dtype, device), block_bytes
     )
     num_blocks = 1 + usable
     runner = ModelRunner(model, mcfg, num_blocks, config.block_size, dtype, device, config.seed)
     return LoadedRunner(runner, path, mcfg, max_model_len, num_blocks, dtype, device)
+
+
+def kv_pool_bytes(config, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes for the KV pool, from the first setting that gives them; on CUDA without one,
+    vLLM's rule: `gpu_memory_utilization` of the GPU, less what is in use once the model is
+    loaded and an estimate of the activations of the largest step."""
+    budget, source = kv_cache_setting(config)
+    if budget is None and device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * config.gpu_memory_utilization) - (total - free)
+        budget -= _activation_bytes(config, mcfg, dtype)
+        source = (
+            f"--gpu-memory-utilization {config.gpu_memory_utilization} of {total / GiB:.0f} GiB"
+        )
+        if budget <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization {config.gpu_memory_utilization} leaves no memory for "
+                f"the KV cache after the model ({(total - free) / GiB:.1f} GiB in use)"
+            )
+    elif budget is None:
+        budget = int(DEFAULT_KV_CACHE_GIB * GiB)
+        source = "the default (on the CPU --gpu-memory-utilization does not apply)"
+    log.info("KV cache pool: %.2f GiB, sized by %s", budget / GiB, source)
+    return budget
+
+
+def _activation_bytes(config, mcfg: ModelConfig, dtype: torch.dtype) -> int:
+    """A generous estimate of the largest step's temporaries: hidden states and MLP
+    activations of max_num_batched_tokens, plus float32 logits (and sampling copies) of
+    max_num_seqs rows."""
+    per_token = (4 * mcfg.hidden_size + 3 * mcfg.intermediate_size) * dtype.itemsize
+    logits = 3 * config.max_num_seqs * mcfg.vocab_size * 4
+    return 2 * config.max_num_batched_tokens * per_token + logits
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -67,10 +67,11 @@ class Sampler:
 
     def _block_early_stop(self, logits, params, token_ids, num_prompt_tokens):
         """Before min_tokens outputs, EOS and stop token ids cannot be sampled."""
-        rows, cols = [], []
+        rows, cols, vocab = [], [], logits.shape[-1]
         for i, p in enumerate(params):
             if p.min_tokens and len(token_ids[i]) - num_prompt_tokens[i] < p.min_tokens:
                 stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(p.eos_token_ids))
+                stops = [t for t in stops if t < vocab]  # an id past the vocabulary never comes
                 rows += [i] * len(stops)
                 cols += stops
         if rows:
@@ -125,7 +126,7 @@ def apply_penalties(logits, params, token_ids, num_prompt_tokens) -> torch.Tenso
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     v = logits.shape[-1]
-    k = torch.tensor([tk if tk > 0 else v for tk in top_k], device=logits.device).clamp(max=v)
+    k = torch.tensor([min(tk, v) if tk > 0 else v for tk in top_k], device=logits.device)
     p = torch.tensor(top_p, device=logits.device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(v, device=logits.device)[None, :]

@@ -13,7 +13,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tandem import __version__
-from tandem.engine.async_llm import EngineDeadError, RequestAbortedError
+from tandem.engine.async_llm import EngineDeadError, RequestError
 from tandem.server.chat import chat_prompt, create_chat_completion
 from tandem.server.completions import create_completion
 from tandem.server.errors import (
@@ -25,11 +25,24 @@ from tandem.server.errors import (
     unavailable,
 )
 from tandem.server.metrics import Metrics
-from tandem.server.protocol import DetokenizeRequest, TokenizeRequest, parse
+from tandem.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse,
+)
 from tandem.server.serving import Serving
 from tandem.server.streaming import json_response
 
-_UNGATED = ("/metrics",)  # answers even while draining
+_UNGATED = ("/metrics", "/openapi.json")  # answer even while draining
+# Endpoints that parse their own bodies (for OpenAI-style errors): their schemas for /openapi.json
+_BODIES = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
 
 
 @dataclass
@@ -72,9 +85,10 @@ class Gate:
 def build_app(state: ServerState) -> FastAPI:
     serving = state.serving
     engine = serving.engine
-    app = FastAPI(title="tandem", version=__version__, openapi_url=None)
+    app = FastAPI(title="tandem", version=__version__, docs_url=None, redoc_url=None)
     app.add_middleware(Gate, state=state)
     _add_error_handlers(app)
+    app.openapi = lambda: _openapi(app)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -103,8 +117,12 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if engine.dead:
-            raise server_error(f"the engine is dead: {engine.dead}")
+            raise unavailable(f"the engine is dead: {engine.dead}")
         return Response(status_code=200)
+
+    @app.get("/ping")
+    async def ping() -> Response:  # SageMaker's and vLLM's alias of /health
+        return await health()
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -141,18 +159,43 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's document, with the request bodies our handlers parse themselves."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in _BODIES.items():
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+            doc["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}
+                    }
+                },
+            }
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> Response:
         return e.response()
 
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, e: EngineDeadError) -> Response:
-        return server_error(f"the engine is dead: {e}").response()
-
-    @app.exception_handler(RequestAbortedError)
-    async def aborted(_: Request, e: RequestAbortedError) -> Response:
-        return unavailable(f"request aborted: {e}").response()
+    @app.exception_handler(RequestError)
+    async def request_error(_: Request, e: RequestError) -> Response:
+        if isinstance(e, EngineDeadError):
+            return unavailable(f"the engine is dead: {e}").response()
+        if e.status == 400:
+            return bad_request(str(e)).response()
+        if e.status == 503:
+            return unavailable(f"request aborted: {e}").response()
+        return server_error(f"the request failed in the engine: {e}").response()
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, e: Exception) -> Response:

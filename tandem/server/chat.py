@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tandem.engine.async_llm import EngineDeadError, RequestAbortedError, RequestStream
+from tandem.engine.async_llm import RequestError, RequestStream
 from tandem.engine.outputs import CompletionOutput, RequestOutput
 from tandem.engine.tokenizer import apply_chat_template
 from tandem.server.deltas import ChoiceCursor
@@ -36,8 +37,8 @@ def chat_prompt(
         ids = apply_chat_template(
             serving.tokenizer, conversation, add_generation_prompt, **(template_kwargs or {})
         )
-    except ValueError as e:
-        raise bad_request(str(e), "messages") from None
+    except ValueError as e:  # the message names the field: messages or chat_template_kwargs
+        raise bad_request(str(e)) from None
     except Exception as e:  # a template that fails on these messages (jinja raises its own)
         raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
     return Prompt(None, ids)
@@ -47,8 +48,8 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     req = parse(ChatCompletionRequest, await request.body())
     serving.check_model(req.model)
     prompt = chat_prompt(serving, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
-    params = req.sampling_params(req.max_output_tokens, req.num_logprobs)
-    params = serving.fit(prompt, params, "messages")
+    params = req.sampling_params(req.max_output_tokens, req.num_logprobs, serving.sampling_defaults)
+    params = serving.fit(prompt, params, "messages", "top_logprobs")
     job = _Job(serving, req, prompt, params.stop)
     streams = serving.generate(job.id, [prompt], [params], req.priority)
     if req.stream:
@@ -75,13 +76,14 @@ class _Job:
     ) -> None:
         self.stops = stops
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())  # this request's, on every chunk
         self.serving, self.req, self.prompt = serving, req, prompt
 
     def _body(self, obj: str, choices: list[dict], usage_: dict | None = None) -> dict:
         body = {
             "id": self.id,
             "object": obj,
-            "created": self.serving.created,
+            "created": self.created,
             "model": self.serving.model_name,
             "choices": choices,
         }
@@ -132,6 +134,6 @@ class _Job:
                     yield self._chunk(d.index, delta, lp, d.output if d.finish_reason else None)
             if self.req.include_usage:
                 yield sse(self._body("chat.completion.chunk", [], usage([self.prompt], [final])))
-        except (EngineDeadError, RequestAbortedError) as e:
+        except RequestError as e:
             yield sse_error(str(e))
         yield DONE

@@ -11,13 +11,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
+import socket
 
 import uvicorn
 
 log = logging.getLogger("tandem")
+DEAD_LINGER_S = 1.0  # after the engine dies, /health answers 503 this long, then we exit 1
 
 
 def add_parser(sub) -> None:
@@ -26,6 +29,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
     p.add_argument(
         "model", nargs="?", default=None, help="HF folder or .gguf file (default: bundled SmolLM2)"
+    )
+    p.add_argument(
+        "--model", dest="model_flag", metavar="MODEL", default=None, help="the same, as vLLM's flag"
     )
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=8000)
@@ -54,6 +60,26 @@ def add_parser(sub) -> None:
         help="seconds in-flight requests get to finish after SIGTERM",
     )
     p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template, or a file holding one (default: the tokenizer's own)",
+    )
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults: auto (the model's generation_config.json), vllm (none), or a "
+        "folder holding a generation_config.json",
+    )
+    logging_group = p.add_mutually_exclusive_group()
+    logging_group.add_argument(
+        "--enable-log-requests", dest="log_requests", action="store_true", default=False,
+        help="log each request's size and sampling settings",
+    )  # fmt: skip
+    logging_group.add_argument(
+        "--disable-log-requests", dest="log_requests", action="store_false",
+        help="do not log requests (default; accepted for vLLM's scripts)",
+    )  # fmt: skip
+    p.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -65,17 +91,49 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from tandem.engine.config import engine_config_from_args
 
+    if args.model and args.model_flag and args.model != args.model_flag:
+        raise ValueError(f"model: given twice ({args.model!r} and --model {args.model_flag!r})")
+    model = args.model or args.model_flag
     if args.max_waiting is not None and args.max_waiting < 1:
         raise ValueError(f"max_waiting must be an integer >= 1, got {args.max_waiting}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"shutdown_timeout must be >= 0, got {args.shutdown_timeout}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    config = engine_config_from_args(args, args.model)
-    return asyncio.run(_serve(args, config))
+    config = engine_config_from_args(args, model)
+    if args.chat_template is not None:
+        from tandem.engine.tokenizer import load_chat_template
+
+        args.chat_template = load_chat_template(args.chat_template)
+    sock = _listen(args.host, args.port)  # before the model loads: a taken port fails at once
+    try:
+        return asyncio.run(_serve(args, config, model, sock))
+    finally:
+        sock.close()
 
 
-async def _serve(args: argparse.Namespace, config) -> int:
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket uvicorn will serve on, bound now."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"host: cannot resolve {host!r}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        field = "port" if e.errno == errno.EADDRINUSE else "host"
+        raise ValueError(f"{field}: cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def _serve(args: argparse.Namespace, config, model: str | None, sock) -> int:
     from tandem.engine.async_llm import AsyncLLM
+    from tandem.engine.generation_config import sampling_defaults
     from tandem.server.app import ServerState, build_app
     from tandem.server.metrics import Metrics
     from tandem.server.serving import Serving
@@ -90,15 +148,22 @@ async def _serve(args: argparse.Namespace, config) -> int:
         log.info("stopped while starting")
         return 0
     try:
-        names = args.served_model_name or [_default_name(args.model)]
+        if args.chat_template is not None:
+            engine.tokenizer.chat_template = args.chat_template
+        names = args.served_model_name or [_default_name(model)]
         metrics = Metrics(names[0])
         engine.observer = metrics
-        state = ServerState(Serving(engine, names, args.max_waiting), metrics, args.api_key)
+        serving = Serving(
+            engine,
+            names,
+            args.max_waiting,
+            sampling_defaults(args.generation_config, engine.model_path),
+            args.log_requests,
+        )
+        state = ServerState(serving, metrics, args.api_key)
         server = _Server(
             uvicorn.Config(
                 build_app(state),
-                host=args.host,
-                port=args.port,
                 log_level=args.uvicorn_log_level,
                 access_log=not args.disable_uvicorn_access_log,
                 lifespan="off",
@@ -108,8 +173,20 @@ async def _serve(args: argparse.Namespace, config) -> int:
         shutdown = _Shutdown(server, state, engine, args.shutdown_timeout)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, shutdown.on_signal)
-        log.info("serving %s (engine core pid %d)", names[0], engine.core_pid)
-        await server.serve()
+        engine.on_dead = shutdown.on_engine_dead
+        if engine.dead:  # died while we were setting up
+            shutdown.on_engine_dead(engine.dead)
+        log.info(
+            "serving %s on %s:%d (engine core pid %d)",
+            names[0],
+            args.host,
+            args.port,
+            engine.core_pid,
+        )
+        await server.serve(sockets=[sock])
+        if engine.dead:
+            log.error("exiting: the engine core died (%s)", engine.dead)
+            return 1
         return 0 if server.started else 1
     finally:
         await engine.shutdown()
@@ -157,7 +234,22 @@ class _Shutdown:
             self.engine.abort_all(
                 RequestAbortedError("the server shut down before the request finished")
             )
-            grace = loop.time() + 2.0
-            while self.state.in_flight and loop.time() < grace:
-                await asyncio.sleep(0.02)
+            await self._flush(2.0)
         self.server.should_exit = True
+
+    def on_engine_dead(self, reason: str) -> None:
+        """The core is gone: every request has its error; let them reach their clients, then
+        exit non-zero so a supervisor restarts the server."""
+        if self.task is None:
+            self.task = asyncio.create_task(self._exit_dead())
+
+    async def _exit_dead(self) -> None:
+        await self._flush(2.0)
+        await asyncio.sleep(DEAD_LINGER_S)  # probes and retrying clients see 503, not a reset
+        self.server.should_exit = True
+
+    async def _flush(self, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while self.state.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.02)

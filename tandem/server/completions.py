@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from tandem.engine.async_llm import EngineDeadError, RequestAbortedError, RequestStream
+from tandem.engine.async_llm import RequestError, RequestStream
 from tandem.engine.outputs import CompletionOutput, RequestOutput
 from tandem.server.deltas import ChoiceCursor
 from tandem.server.logprobs import completion_logprobs
@@ -28,7 +29,7 @@ async def create_completion(serving: Serving, request: Request) -> Response:
     req = parse(CompletionRequest, await request.body())
     serving.check_model(req.model)
     prompts = [serving.prompt(p) for p in req.prompts()]
-    params = req.sampling_params(req.max_tokens, req.logprobs)
+    params = req.sampling_params(req.max_tokens, req.logprobs, serving.sampling_defaults)
     params_per_prompt = [serving.fit(p, params) for p in prompts]
     job = _Job(serving, req, prompts, params.stop)
     streams = serving.generate(job.id, prompts, params_per_prompt, req.priority)
@@ -59,6 +60,7 @@ class _Job:
     ) -> None:
         self.stops = stops
         self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())  # this request's, on every chunk
         self.serving, self.req, self.prompts = serving, req, prompts
         self.n = req.n
         self.echo = [self._prompt_text(p) for p in prompts] if req.echo else None
@@ -70,7 +72,7 @@ class _Job:
         chunk = {
             "id": self.id,
             "object": "text_completion",
-            "created": self.serving.created,
+            "created": self.created,
             "model": self.serving.model_name,
             "choices": choices,
         }
@@ -118,6 +120,6 @@ class _Job:
                     yield sse(self._chunk([self._choice(d.index, text, lp, done)]))
             if self.req.include_usage:
                 yield sse(self._chunk([], usage(self.prompts, finals)))
-        except (EngineDeadError, RequestAbortedError) as e:
+        except RequestError as e:
             yield sse_error(str(e))
         yield DONE

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 if TYPE_CHECKING:
     from tandem.engine.messages import EngineStats
@@ -26,6 +33,7 @@ _LABELS = ["model_name", "engine"]
 
 class Metrics:
     def __init__(self, model_name: str) -> None:
+        disable_created_metrics()  # no *_created series, as vLLM
         self.registry = CollectorRegistry()
         self._labels = (model_name, "0")
         self.running = self._gauge("num_requests_running", "Requests in the running batch")

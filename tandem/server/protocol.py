@@ -1,18 +1,44 @@
 """Request bodies, with vLLM's field names and defaults, parsed strictly.
 
 A wrong type is a 400 naming the field; ranges are checked by SamplingParams, whose errors
-name the field too. Unknown fields are ignored, as OpenAI clients send a few we do not use.
+name the field too. Every integer is bounded to 64 bits and every string must be valid
+Unicode (no lone surrogates) before anything else looks at the body. Unknown fields are
+ignored, as OpenAI clients send a few we do not use; fields of features we do not have
+(tools, structured output) are refused by name, so a client learns at once.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema
 
-from tandem.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from tandem.core.sampling_params import INT64_MAX, SamplingParams
 from tandem.server.errors import bad_request
+
+
+def _integral(value):
+    """JSON Schema counts 3.0 as an integer, and so do vLLM's (lax) models: accept it."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int64 = Annotated[int, BeforeValidator(_integral), Field(ge=-(2**63), le=INT64_MAX)]
+_TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+# Checked by CompletionRequest.prompts() for clearer errors; described exactly for clients.
+PromptField = Annotated[
+    Any,
+    WithJsonSchema(
+        {"anyOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"type": "string"}, "minItems": 1},
+            _TOKENS,
+            {"type": "array", "items": _TOKENS, "minItems": 1},
+        ]}
+    ),
+]  # fmt: skip
 
 
 class _Model(BaseModel):
@@ -27,41 +53,45 @@ class _SamplingRequest(_Model):
     """Fields both completion endpoints share."""
 
     model: str | None = None
-    n: int = 1
+    n: Int64 = 1
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    priority: int = 0
+    priority: Int64 = 0
     user: str | None = None
 
     def check(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options: only allowed when stream is true", "stream_options")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None
+    ) -> SamplingParams:
+        """defaults: the server's sampling defaults (--generation-config) for unset fields."""
+        d = defaults or {}
         try:
             return SamplingParams(
                 n=self.n,
-                temperature=_or(self.temperature, 1.0),
-                top_p=_or(self.top_p, 1.0),
-                top_k=_or(self.top_k, 0),
-                min_p=_or(self.min_p, 0.0),
+                temperature=_or(self.temperature, d.get("temperature", 1.0)),
+                top_p=_or(self.top_p, d.get("top_p", 1.0)),
+                top_k=_or(self.top_k, d.get("top_k", 0)),
+                min_p=_or(self.min_p, d.get("min_p", 0.0)),
                 presence_penalty=_or(self.presence_penalty, 0.0),
                 frequency_penalty=_or(self.frequency_penalty, 0.0),
-                repetition_penalty=_or(self.repetition_penalty, 1.0),
+                repetition_penalty=_or(self.repetition_penalty, d.get("repetition_penalty", 1.0)),
                 seed=self.seed,
                 stop=self.stop,
                 stop_token_ids=self.stop_token_ids,
@@ -81,9 +111,9 @@ class _SamplingRequest(_Model):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Any = None  # str | list[str] | list[int] | list[list[int]], checked by prompts()
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: PromptField  # required
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -91,10 +121,6 @@ class CompletionRequest(_SamplingRequest):
         super().check()
         if self.suffix:
             raise bad_request("suffix: not supported", "suffix")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise bad_request(
-                f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}"
-            )
         if self.echo and self.logprobs is not None:
             raise bad_request("echo: not supported together with logprobs (no prompt logprobs)")
 
@@ -119,7 +145,25 @@ class CompletionRequest(_SamplingRequest):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: Annotated[
+        str | list[dict[str, Any]] | None,
+        WithJsonSchema(  # text parts are all _text_of() accepts
+            {
+                "anyOf": [
+                    {"type": "string"},
+                    {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                            "required": ["type", "text"],
+                        },
+                    },
+                    {"type": "null"},
+                ]
+            }
+        ),
+    ] = None
 
     def as_template_input(self) -> dict[str, Any]:
         message = dict(self.model_extra or {})
@@ -130,21 +174,31 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # Features tandem does not have yet: accepted by name only to be refused.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: Any = None
 
     def check(self) -> None:
         super().check()
+        if self.tools:
+            raise bad_request("tools: tool calling is not supported by this server", "tools")
+        if self.tool_choice not in (None, "none"):
+            raise bad_request("tool_choice: tool calling is not supported", "tool_choice")
+        if self.response_format not in (None, {"type": "text"}):
+            raise bad_request(
+                "response_format: structured output is not supported; only {'type': 'text'}",
+                "response_format",
+            )
         if self.top_logprobs is not None:
-            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise bad_request(
-                    f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
-                    f"got {self.top_logprobs}"
-                )
+            if self.top_logprobs < 0:
+                raise bad_request(f"top_logprobs must be an integer >= 0, got {self.top_logprobs}")
             if not self.logprobs:
                 raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
 
@@ -171,7 +225,10 @@ class TokenizeRequest(_Model):
 
 class DetokenizeRequest(_Model):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int64]
+
+
+MAX_JSON_DEPTH = 64
 
 
 def parse(model: type[_Model], body: bytes) -> Any:
@@ -180,8 +237,11 @@ def parse(model: type[_Model], body: bytes) -> Any:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"body: malformed JSON: {e}", "body") from None
+    except RecursionError:
+        raise bad_request("body: JSON nested too deeply", "body") from None
     if not isinstance(data, dict):
         raise bad_request("body: must be a JSON object", "body")
+    _check_values(data)
     try:
         request = model.model_validate(data)
     except ValidationError as e:
@@ -189,6 +249,32 @@ def parse(model: type[_Model], body: bytes) -> Any:
     if hasattr(request, "check"):
         request.check()
     return request
+
+
+def _check_values(data: dict) -> None:
+    """Refuse what no field may hold: nesting past MAX_JSON_DEPTH, and strings that are not
+    valid Unicode (JSON allows a lone surrogate such as "\\ud800"; UTF-8 cannot carry it)."""
+    stack = [(v, 1, k) for k, v in data.items()] + [(k, 1, None) for k in data]
+    while stack:
+        value, depth, field = stack.pop()  # field: the top-level field it is part of
+        if depth > MAX_JSON_DEPTH:
+            raise bad_request(f"{field}: nested deeper than {MAX_JSON_DEPTH} levels", field)
+        if isinstance(value, str):
+            if not _is_unicode(value):
+                where = field if field is not None and _is_unicode(field) else "body"
+                raise bad_request(f"{where}: not valid Unicode text (a lone surrogate)", where)
+        elif isinstance(value, dict):
+            stack.extend((x, depth + 1, field) for item in value.items() for x in item)
+        elif isinstance(value, list):
+            stack.extend((x, depth + 1, field) for x in value)
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _validation_error(e: ValidationError):

@@ -4,13 +4,16 @@ the context), admission control, and starting generations on the engine."""
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from dataclasses import dataclass
 
 from tandem.core.sampling_params import SamplingParams
 from tandem.engine.async_llm import AsyncLLM, RequestStream
 from tandem.engine.outputs import RequestOutput
-from tandem.server.errors import bad_request, not_found, server_error, unavailable
+from tandem.server.errors import bad_request, not_found, unavailable
+
+log = logging.getLogger("tandem")
 
 
 @dataclass
@@ -21,14 +24,21 @@ class Prompt:
 
 class Serving:
     def __init__(
-        self, engine: AsyncLLM, served_names: list[str], max_waiting: int | None = None
+        self,
+        engine: AsyncLLM,
+        served_names: list[str],
+        max_waiting: int | None = None,
+        sampling_defaults: dict | None = None,
+        log_requests: bool = False,
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_names = served_names
         self.model_name = served_names[0]
         self.max_waiting = max_waiting
-        self.created = int(time.time())
+        self.sampling_defaults = sampling_defaults or {}  # for fields a request leaves unset
+        self.log_requests = log_requests
+        self.created = int(time.time())  # the model's, in /v1/models
 
     def check_model(self, name: str | None) -> None:
         if name and name not in self.served_names:
@@ -37,16 +47,30 @@ class Serving:
     # ---- prompts -------------------------------------------------------------------
     def prompt(self, prompt: str | list[int]) -> Prompt:
         if isinstance(prompt, str):
-            return Prompt(prompt, self.tokenizer.encode(prompt, add_special_tokens=True))
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            if not ids:
+                raise bad_request("prompt: must not be empty (it has no tokens)", "prompt")
+            return Prompt(prompt, ids)
         vocab = self.engine.vocab_size
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"prompt: token id {bad} is out of range [0, {vocab})", "prompt")
         return Prompt(None, list(prompt))
 
-    def fit(self, prompt: Prompt, params: SamplingParams, what: str = "prompt") -> SamplingParams:
+    def fit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        what: str = "prompt",
+        logprobs_field: str = "logprobs",
+    ) -> SamplingParams:
         """Check the prompt and its output budget fit the context and the KV pool; with no
         max_tokens, allow as many as fit. Returns the params to run with."""
+        try:
+            limit = self.engine.config.max_logprobs
+            params.check_for_model(self.engine.vocab_size, limit, logprobs_field)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
         n, limit = len(prompt.token_ids), self.engine.max_model_len
         if n >= limit:
             raise bad_request(
@@ -78,12 +102,17 @@ class Serving:
     def admit(self, num_sequences: int) -> None:
         """Refuse work the server cannot queue: 503 with Retry-After past --max-waiting."""
         if self.engine.dead:
-            raise server_error(f"the engine is dead: {self.engine.dead}")
+            raise unavailable(f"the engine is dead: {self.engine.dead}")
+        if self.max_waiting is None:
+            return
+        # Sequences that find a free place in the running batch do not wait.
         waiting = self.engine.num_waiting
-        if self.max_waiting is not None and waiting + num_sequences > self.max_waiting:
+        would_wait = waiting + max(0, num_sequences - self.engine.num_free_slots)
+        if would_wait > self.max_waiting:
             raise unavailable(
-                f"The server is overloaded: {waiting} sequences wait to run and the limit "
-                f"(--max-waiting) is {self.max_waiting}. Retry later.",
+                f"The server is overloaded: {waiting} sequences wait to run, this request "
+                f"would make it {would_wait}, and the limit (--max-waiting) is "
+                f"{self.max_waiting}. Retry later.",
                 retry_after=1,
             )
 
@@ -96,16 +125,21 @@ class Serving:
     ) -> list[RequestStream]:
         """Start one generation per prompt (admission checked for all of them first)."""
         self.admit(sum(p.n for p in params))
-        return [
-            self.engine.add_request(
-                prompt.text,
-                prompt.token_ids,
-                p,
-                request_id if len(prompts) == 1 else f"{request_id}-{i}",
-                priority,
-            )
-            for i, (prompt, p) in enumerate(zip(prompts, params))
-        ]
+        if self.log_requests:
+            for prompt, p in zip(prompts, params):
+                log.info("request %s: %d prompt tokens, %s", request_id, len(prompt.token_ids), p)
+        streams = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(
+                    self.engine.add_request(prompt.text, prompt.token_ids, p, rid, priority)
+                )
+        except ValueError as e:
+            for s in streams:
+                s.close()
+            raise bad_request(str(e)) from None
+        return streams
 
 
 def usage(prompts: list[Prompt], outputs: list[RequestOutput]) -> dict:

@@ -124,7 +124,7 @@ def test_serve_chat_multi_turn(llama_path, tmp_path):
                 "2",
                 "--save-result",
                 "--result-filename",
-                "chat",
+                "chat.json",
                 *workload_args(llama_path, tmp_path),
             ]
         )
@@ -181,7 +181,7 @@ def test_compare_runs_both_servers_and_prints_ratios(llama_path, tmp_path, capsy
                 "--max-concurrency",
                 "1,4",
                 "--result-filename",
-                "cmp",
+                "cmp.json",
                 *workload_args(llama_path, tmp_path, n=4),
             ]
         )

@@ -64,7 +64,10 @@ def test_random_run_completes_every_request(server, tok):
     wanted = [x.requests[0].output_len for x in sessions]
     assert sorted(r.output_len for r in run.results) == sorted(wanted)  # ignore_eos honoured
     assert s["total_input_tokens"] == sum(x.requests[0].prompt_len for x in sessions)
-    assert all(r.ttft > 0 and len(r.itl) >= 1 for r in run.results)
+    assert all(r.ttft > 0 for r in run.results)
+    # A gap per chunk after the first; a fast engine may put several tokens in one chunk.
+    assert all(len(r.itl) <= r.output_len - 1 for r in run.results)
+    assert sum(len(r.itl) for r in run.results) > 0
 
 
 def test_chat_multi_turn_run_completes(server, tok):

@@ -18,6 +18,7 @@ class ScriptedRunner:
         step_seconds: Callable[[SchedulerOutput], float] = lambda plan: 0.0,
     ) -> None:
         self.clock, self.scripts, self.step_seconds = clock, scripts, step_seconds
+        self.poison: set[str] = set()  # requests that make execute() raise, as a bug would
         self.state: set[str] = set()  # per-request state, as a seeded sampler keeps
         self.released: list[str] = []
         self.plans: list[list[tuple[str, int, int, bool]]] = []
@@ -29,6 +30,8 @@ class ScriptedRunner:
         self.plans.append(
             [(s.request.request_id, s.start, s.num_new_tokens, s.sample) for s in plan.scheduled]
         )
+        if self.poison & {s.request.request_id for s in plan.scheduled}:
+            raise RuntimeError("index out of range (poisoned input)")
         self.clock.advance(self.step_seconds(plan))
         sampled = {}
         for s in plan.scheduled:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 from dataclasses import fields
 
 import pytest
@@ -49,3 +51,57 @@ def test_a_bad_value_names_its_setting():
     args = _parser().parse_args(["--block-size", "0"])
     with pytest.raises(ValueError, match="block_size"):
         engine_config_from_args(args, None)
+
+
+def test_vllm_dtype_spellings():
+    assert EngineConfig(dtype="half").dtype == "float16"
+    assert EngineConfig(dtype="float").dtype == "float32"
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="fp8")
+
+
+def test_kv_cache_size_comes_from_the_first_setting_given(monkeypatch):
+    from tandem.engine.config import KV_CACHE_SPACE_ENV, kv_cache_setting
+
+    monkeypatch.delenv(KV_CACHE_SPACE_ENV, raising=False)
+    assert kv_cache_setting(EngineConfig()) == (None, "default")
+    monkeypatch.setenv(KV_CACHE_SPACE_ENV, "0.5")  # GiB, as VLLM_CPU_KVCACHE_SPACE
+    assert kv_cache_setting(EngineConfig()) == (2**29, f"${KV_CACHE_SPACE_ENV}")
+    assert kv_cache_setting(EngineConfig(kv_cache_memory=1.0)) == (2**30, "--kv-cache-memory")
+    both = EngineConfig(kv_cache_memory=1.0, kv_cache_memory_bytes=1234)
+    assert kv_cache_setting(both) == (1234, "--kv-cache-memory-bytes")
+    monkeypatch.setenv(KV_CACHE_SPACE_ENV, "lots")
+    with pytest.raises(ValueError, match=KV_CACHE_SPACE_ENV):
+        kv_cache_setting(EngineConfig())
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tandem.cli", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_tandem_version():
+    from tandem import __version__
+
+    done = _cli("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"tandem {__version__}"
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate"], ["bench", "serve"]])
+def test_an_unknown_flag_prints_the_subcommands_usage(command):
+    done = _cli(*command, "--no-such-flag")
+    assert done.returncode == 2
+    assert f"usage: tandem {' '.join(command)}" in done.stderr
+    assert "unrecognized arguments: --no-such-flag" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "command", [["serve"], ["generate"], ["bench", "serve"], ["bench", "compare"]]
+)
+def test_every_flag_of_every_subcommand_shows_its_default(command):
+    text = _cli(*command, "--help").stdout
+    options = text.split("options:", 1)[1]
+    entries = [" ".join(e.split()) for e in options.split("\n  -")[1:]]
+    missing = [e.split()[0] for e in entries if "(default" not in e and not e.startswith("h,")]
+    assert not missing, missing

@@ -33,3 +33,20 @@ def test_default_model_first_32_greedy_tokens_equal_hf_on_the_same_gguf():
         ref = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=32, pad_token_id=0)
     assert ours.outputs[0].token_ids == ref[0, len(ids) :].tolist()
     assert ours.outputs[0].text.strip()  # real words, not noise
+
+
+def test_a_copy_of_the_gguf_elsewhere_reuses_the_converted_folder(tmp_path, caplog):
+    """The conversion cache is keyed by the file's contents, not its path: a second clone
+    (or a copy) of the same model finds the first one's folder instead of writing another."""
+    import logging
+    import shutil
+
+    from tandem.model.gguf import gguf_as_hf_folder
+
+    original = gguf_as_hf_folder(default_model_path())  # converted by the test above
+    copy = tmp_path / "clone" / default_model_path().name
+    copy.parent.mkdir()
+    shutil.copyfile(default_model_path(), copy)
+    with caplog.at_level(logging.INFO, logger="tandem"):
+        assert gguf_as_hf_folder(copy) == original
+    assert "dequantizing" not in caplog.text

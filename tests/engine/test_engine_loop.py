@@ -8,6 +8,7 @@ import sys
 
 from tandem.core.clock import FakeClock
 from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.request import Request
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler import Scheduler, SchedulerConfig
 from tandem.engine.core import EngineCore
@@ -112,3 +113,34 @@ def test_step_timings_are_read_on_the_engine_clock():
     core.add_request(_request("a", 4, max_tokens=2))
     core.step()
     assert core.last_step_timings == {"schedule": 0.0, "execute": 1.0, "update": 0.0}
+
+
+def test_a_request_that_breaks_the_runner_fails_alone_and_the_others_go_on():
+    core, runner, clock = _engine({"ok": [5, 6, 7], "bad": [5, 6, 7]}, _cost, 64)
+    runner.poison = {"bad"}
+    core.add_request(_request("ok", 8, max_tokens=3))
+    core.add_request(_request("bad", 8, first_token=300, max_tokens=3))
+
+    steps = _run(core, clock)
+
+    first = steps[0][1]
+    assert ("bad", [], "error", None, None) in first and ("ok", [5], None, None, 0.0) in first
+    assert [o for _, outs in steps for o in outs if o[0] == "ok"][-1][2] == "length"
+    kv = core.scheduler.kv
+    assert kv.usage == 0
+    # bad's prompt blocks were published when scheduled but never written: not cached
+    assert kv.match_prefix(_as_request(300, 8)) == []
+    assert len(kv.match_prefix(_as_request(100, 8))) == 1  # ok's first full block is
+
+
+def test_the_error_reaches_the_output():
+    core, runner, clock = _engine({"bad": [5]}, _cost)
+    runner.poison = {"bad"}
+    core.add_request(_request("bad", 4, max_tokens=3))
+    (out,) = core.step()
+    assert out.finish_reason == "error" and "poisoned input" in out.error
+    assert not core.has_unfinished()
+
+
+def _as_request(first_token: int, n: int) -> Request:
+    return Request("probe", list(range(first_token, first_token + n)), SamplingParams())

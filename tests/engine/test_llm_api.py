@@ -155,7 +155,10 @@ def test_incremental_detokenization_keeps_multibyte_characters_whole(llm):
         (dict(top_p=1.5), "top_p"),
         (dict(temperature=-0.1), "temperature"),
         (dict(n=0), "n"),
-        (dict(logprobs=21), "logprobs"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(seed=2**63), "seed"),
+        (dict(top_k=2**64), "top_k"),
+        (dict(n=257), "n"),
         (dict(min_p=2.0), "min_p"),
     ],
 )
@@ -178,6 +181,30 @@ def test_token_ids_outside_the_vocabulary_are_refused(llm):
     with pytest.raises(ValueError, match="prompt"):
         llm.generate([[1, 10**6]], use_tqdm=False)
     assert_idle(llm)
+
+
+@pytest.mark.parametrize(
+    "prompt, params, field",
+    [
+        ("", SamplingParams(max_tokens=2), "prompt: must not be empty"),
+        ("hi", SamplingParams(max_tokens=2, logprobs=21), "logprobs.*max_logprobs"),
+        (
+            "hi",
+            SamplingParams(max_tokens=2, stop_token_ids=[10**6], min_tokens=1),
+            "stop_token_ids",
+        ),
+    ],
+)
+def test_requests_the_model_cannot_serve_are_refused_by_field(llm, prompt, params, field):
+    with pytest.raises(ValueError, match=field):
+        llm.generate(["ok", prompt], params, use_tqdm=False)
+    assert_idle(llm)
+
+
+def test_max_logprobs_is_an_engine_setting(llama_path):
+    llm = LLM(str(llama_path), dtype="float32", kv_cache_memory=0.01, max_logprobs=30)
+    out = llm.generate(["hi"], SamplingParams(max_tokens=1, logprobs=25), use_tqdm=False)
+    assert len(out[0].outputs[0].logprobs[0]) >= 25
 
 
 def test_unknown_architecture_is_refused_by_name(llama_path, tmp_path):

@@ -56,7 +56,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
-        cmd = [sys.executable, "-m", "tandem.cli", "serve", str(model)]
+        cmd = [sys.executable, "-m", "tandem.cli", "serve", *([str(model)] if model else [])]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), *COMMON, *args]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
@@ -129,6 +129,10 @@ def _launched(request, llama_path, tmp_path_factory):
             logs,
             "guarded",
         )  # fmt: skip
+    if "fuzz_server" in wanted:  # short contexts, so whatever the fuzzer asks for is quick
+        servers["fuzz"] = Server(
+            llama_path, ["--max-model-len", "48", "--max-num-seqs", "16"], logs, "fuzz"
+        )
     if "draining_server" in wanted:
         servers["draining"] = Server(llama_path, ["--shutdown-timeout", "120"], logs, "draining")
     yield servers
@@ -148,6 +152,12 @@ def guarded_server(_launched) -> Server:
     """--api-key, --max-num-seqs 2, --max-waiting 2, two served names. Its last test kills
     its engine core."""
     return _launched["guarded"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def fuzz_server(_launched) -> Server:
+    """--max-model-len 48, for the API fuzzer."""
+    return _launched["fuzz"].wait_ready()
 
 
 @pytest.fixture(scope="session")

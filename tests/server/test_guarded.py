@@ -77,33 +77,65 @@ def test_overload_is_503_with_retry_after_and_the_server_stays_up(guarded_server
     asyncio.run(scenario())
 
 
-def test_a_dead_engine_core_is_reported_not_hung(guarded_server):
-    """The core dies mid-request: the request fails (stream: an error event, then [DONE]),
-    /health and new requests get 500; SIGTERM still exits 0. Runs last: it ends the server."""
+def test_requests_refused_at_intake_leave_no_ghost_in_the_waiting_count(guarded_server):
+    url = guarded_server.url
+    for _ in range(5):  # each once registered and never unregistered: 503 forever after
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "seed": 2**70}, headers=AUTH)
+        assert r.status_code == 400
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert _metric(url, "waiting") == 0
+
+
+def test_an_idle_server_admits_more_samples_than_the_waiting_limit(guarded_server):
+    """--max-num-seqs 2 --max-waiting 2: n=3 on an idle server runs two and queues one."""
+    body = {"prompt": "x", "max_tokens": 2, "n": 3}
+    r = httpx.post(f"{guarded_server.url}/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 3
+    r = httpx.post(
+        f"{guarded_server.url}/v1/completions", json={**body, "n": 5}, headers=AUTH, timeout=60
+    )
+    assert r.status_code == 503  # 3 would wait
+
+
+def test_a_dead_engine_core_fails_requests_then_the_server_exits_nonzero(guarded_server):
+    """kill -9 of the core with a stream and a plain request in flight: both get an error
+    within a second or two, /health turns 503, and the server exits non-zero within a few
+    seconds so a supervisor restarts it. Runs last: it ends the server."""
     url = guarded_server.url
     lines: list[str] = []
+    plain: list[httpx.Response] = []
+    body = {"prompt": "x", "max_tokens": 900, "ignore_eos": True}
 
     def stream() -> None:
-        body = {"prompt": "x", "max_tokens": 900, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r:
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=AUTH
+        ) as r:
             lines.extend(line for line in r.iter_lines() if line)
 
-    thread = threading.Thread(target=stream)
-    thread.start()
+    def post() -> None:
+        plain.append(httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60))
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=post)]
+    for t in threads:
+        t.start()
     deadline = time.monotonic() + 30
-    while _metric(url, "running") != 1:
+    while _metric(url, "running") != 2:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     os.kill(guarded_server.core_pid, signal.SIGKILL)
-    thread.join(30)
+    killed = time.monotonic()
+    for t in threads:
+        t.join(10)
+    assert time.monotonic() - killed < 3, "the in-flight requests were not failed promptly"
     assert lines[-1] == "data: [DONE]"
     assert "engine core" in json.loads(lines[-2][6:])["error"]["message"]
+    assert plain[0].status_code == 503 and "engine" in plain[0].json()["error"]["message"]
     health = httpx.get(f"{url}/health")
-    assert health.status_code == 500 and "engine" in health.json()["error"]["message"]
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, headers=AUTH)
-    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
-    guarded_server.terminate()
-    assert guarded_server.proc.wait(30) == 0
+    assert health.status_code == 503 and "engine" in health.json()["error"]["message"]
+    assert guarded_server.proc.wait(10) == 1
+    assert time.monotonic() - killed < 10
 
 
 def _metric(url: str, what: str) -> float:

@@ -47,9 +47,12 @@ def _load():
         from torch.utils.cpp_extension import load
 
         cflags = CFLAGS + _vec_flags()
+        name = f"tandem_paged_attention_{_build_tag(cflags)}"
+        if not _is_built(name):
+            log.info("compiling the C++ attention kernel (once, ~40 s; torch caches it)")
         t0 = time.perf_counter()
         module = load(
-            name=f"tandem_paged_attention_{_build_tag(cflags)}",
+            name=name,
             sources=[str(SOURCE)],
             extra_cflags=cflags,
             extra_ldflags=["-fopenmp"],
@@ -65,6 +68,15 @@ def _load():
     if (seconds := time.perf_counter() - t0) > 1:
         log.info("built the C++ kernels in %.0f s (cached for later starts)", seconds)
     return module
+
+
+def _is_built(name: str) -> bool:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
+    except Exception:  # a private helper of torch's: if it moves, just say nothing
+        return True
 
 
 def _vec_flags() -> list[str]:
