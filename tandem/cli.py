@@ -1,4 +1,4 @@
-"""`tandem serve | generate | bench`: each subcommand lives in its package and is imported
+"""`tandem serve | generate | bench | profile`: each subcommand lives in its package and is imported
 only when used, so `tandem --help` stays fast."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ SUBCOMMANDS = {
     "generate": "tandem.engine.generate_cli",
     "serve": "tandem.server.cli",
     "bench": "tandem.bench.cli",
+    "profile": "tandem.engine.profile_cli",
 }
 
 

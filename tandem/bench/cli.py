@@ -97,6 +97,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help="multi-class: name=N,share=F,input=A-B,output=A-B,priority=P,ttft=MS,tpot=MS,e2el=MS",
     )
+    g.add_argument(
+        "--send-slo-class",
+        action="store_true",
+        help="send each request's class name as `slo_class` (for `tandem serve --slo-classes`)",
+    )
     g.add_argument("--sharegpt-output-len", type=int, default=None)
     g.add_argument("--custom-output-len", type=int, default=256)
 

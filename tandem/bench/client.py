@@ -37,6 +37,7 @@ class RequestSpec:
     ignore_eos: bool = False
     extra_body: dict = field(default_factory=dict)
     headers: dict = field(default_factory=dict)
+    send_class: bool = False  # send each request's class as `slo_class` (tandem's SLO classes)
 
 
 @dataclass
@@ -71,6 +72,8 @@ def build_payload(spec: RequestSpec, req: BenchRequest) -> dict:
         payload["min_tokens"] = req.output_len
     if req.priority is not None:
         payload["priority"] = req.priority
+    if spec.send_class:
+        payload["slo_class"] = req.cls
     return payload | spec.extra_body
 
 

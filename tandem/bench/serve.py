@@ -140,6 +140,7 @@ def request_spec(args, base_url: str, model: str) -> RequestSpec:
         ignore_eos=args.ignore_eos,
         extra_body=json.loads(args.extra_body) if args.extra_body else {},
         headers=auth_headers(args.api_key),
+        send_class=args.send_slo_class,
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 from tandem.core.sampling_params import SamplingParams
+from tandem.core.slo import DEFAULT_CLASS, SLOClass
 
 
 class RequestStatus(enum.Enum):
@@ -15,6 +16,7 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_ERROR = "finished_error"
+    FINISHED_SHED = "finished_shed"  # could no longer meet its SLO; its class says shed it
 
     @property
     def finished(self) -> bool:
@@ -27,6 +29,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_SHED: "shed",  # the server answers it with a 503, not a choice
 }
 
 
@@ -41,12 +44,14 @@ class Request:
         sampling_params: SamplingParams,
         arrival_time: float = 0.0,
         priority: int = 0,
+        slo: SLOClass = DEFAULT_CLASS,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
         self.priority = priority
+        self.slo = slo
         # Output budget; None means "until max_model_len", resolved by the scheduler on intake.
         self.max_tokens = sampling_params.max_tokens
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -58,6 +63,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
+        self.last_token_time: float | None = None  # the scheduler's clock, at each new token
 
     @property
     def num_tokens(self) -> int:

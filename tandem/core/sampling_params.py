@@ -45,6 +45,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    ttft_ms: float | None = None  # this request's time-to-first-token target (SLO scheduling)
+    tpot_ms: float | None = None  # and its time-per-output-token target
     # Filled in by the engine: the model's end-of-sequence ids (tokenizer + generation config).
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -107,6 +109,14 @@ class SamplingParams:
             "a list of non-negative 64-bit integers",
             self.stop_token_ids,
         )
+        for name in ("ttft_ms", "tpot_ms"):
+            value = getattr(self, name)
+            _check(
+                value is None or (not isinstance(value, bool) and value > 0),
+                name,
+                "a number of milliseconds > 0",
+                value,
+            )
         # The i-th of n samples is seeded seed + i: all of them must be 64-bit.
         _check(
             self.seed is None or _is_int(self.seed, -(2**63), INT64_MAX - self.n + 1),

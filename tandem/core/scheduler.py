@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from tandem.core.budget import StepBudget
+from tandem.core.cost_model import StepShape
 from tandem.core.kv_cache_manager import KVCacheManager
-from tandem.core.policy import FCFSQueue, PreemptionPolicy, PreemptNewest, WaitingQueue
+from tandem.core.policy import BatchPolicy, FCFSBatch
 from tandem.core.request import Request, RequestStatus
 
 
@@ -47,6 +49,8 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     # Requests that ended since the previous plan: the runner drops any state it keeps for them.
     finished_ids: list[str] = field(default_factory=list)
+    # Requests this schedule() finished because they could no longer meet their SLO.
+    shed: list[Request] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -82,14 +86,15 @@ class Scheduler:
         config: SchedulerConfig,
         kv: KVCacheManager,
         clock: Callable[[], float],
-        waiting: WaitingQueue | None = None,
-        preemption: PreemptionPolicy | None = None,
+        batch: BatchPolicy | None = None,
+        cost_model=None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.clock = clock
-        self.waiting = waiting or FCFSQueue()
-        self.preemption = preemption or PreemptNewest()
+        self.batch = batch or FCFSBatch()  # which requests, in what order, within what budget
+        self.cost_model = cost_model  # predicts step seconds (core/cost_model.py), if any
+        self.waiting = self.batch.new_queue()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -160,47 +165,78 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
-        budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
-        if not out.preempted_ids:
-            self._admit_waiting(out, budget)
+        out.shed = self.batch.prepare(self)  # may shed or demote requests past their SLO
+        self._fill(out, self.batch.budget(self))
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.kv.allocate_slots(req, n):
-                out.scheduled.append(ScheduledRequest.of(req, req.num_computed_tokens, n))
-                budget -= n
-                i += 1
-                continue
-            # Short of blocks: preempt among those not yet scheduled, so no block written
-            # this step is freed. If the asker itself is the victim, running[i] moves on.
-            victim = self.preemption.pick_victim(self.running[i:])
-            self._preempt(victim)
-            out.preempted_ids.append(victim.request_id)
-        return budget
-
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting.peek()
-            prefix = self.kv.match_prefix(req)
-            num_cached = len(prefix) * self.kv.block_size
-            n = min(req.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(req, n, prefix):
+    def _fill(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        """Walk the batch policy's candidates (running and waiting) in its order: a running
+        request gets room for its next chunk, a waiting one is admitted with its cached
+        prefix. Short of blocks, the policy names a victim among the running requests not yet
+        scheduled this step (so no block written this step is freed); none, and the asker
+        waits. After a failed admission nothing more is admitted (no request overtakes)."""
+        candidates = self.batch.order(self)
+        unscheduled = [r for r in candidates if r.status == RequestStatus.RUNNING]
+        admitting = True
+        for req in candidates:
+            if budget.exhausted:
                 break
-            self.waiting.pop()
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = num_cached
-                req.first_scheduled_time = self.clock()
-                self.kv.record_lookup(req.num_prompt_tokens, num_cached)
-            req.num_computed_tokens = num_cached
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.scheduled.append(ScheduledRequest.of(req, num_cached, n))
-            budget -= n
+            if req.status == RequestStatus.RUNNING:
+                if req in unscheduled:  # not preempted meanwhile
+                    self._schedule_running(out, req, budget, unscheduled)
+            elif admitting and req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                if out.preempted_ids and not self.batch.admit_after_preemption:
+                    admitting = False
+                elif not self._admit(out, req, budget, unscheduled):
+                    admitting = False
+
+    def _schedule_running(self, out, req: Request, budget: StepBudget, unscheduled) -> None:
+        while True:
+            n = budget.fit(req, req.num_computed_tokens, req.num_tokens - req.num_computed_tokens)
+            if n <= 0:
+                return
+            if self.kv.allocate_slots(req, n):
+                unscheduled.remove(req)
+                out.scheduled.append(ScheduledRequest.of(req, req.num_computed_tokens, n))
+                budget.spend(req, req.num_computed_tokens, n)
+                return
+            victim = self.batch.victim(req, unscheduled)
+            if victim is None:
+                return
+            self._preempt_for(out, victim, budget, unscheduled)
+            if victim is req:
+                return
+
+    def _admit(self, out, req: Request, budget: StepBudget, unscheduled) -> bool:
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        prefix = self.kv.match_prefix(req)
+        num_cached = len(prefix) * self.kv.block_size
+        n = budget.fit(req, num_cached, req.num_tokens - num_cached)
+        if n <= 0:
+            return False
+        while not self.kv.allocate_slots(req, n, prefix):
+            victim = self.batch.victim(req, unscheduled)
+            if victim is None:
+                return False
+            self._preempt_for(out, victim, budget, unscheduled)
+        self.waiting.remove(req)
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = num_cached
+            req.first_scheduled_time = self.clock()
+            self.kv.record_lookup(req.num_prompt_tokens, num_cached)
+        req.num_computed_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.scheduled.append(ScheduledRequest.of(req, num_cached, n))
+        budget.spend(req, num_cached, n)
+        return True
+
+    def _preempt_for(self, out, victim: Request, budget: StepBudget, unscheduled) -> None:
+        unscheduled.remove(victim)
+        budget.release(victim)
+        self._preempt(victim)
+        out.preempted_ids.append(victim.request_id)
 
     def update(self, plan: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance every scheduled request by its chunk; append sampled tokens; finish those
@@ -215,6 +251,7 @@ class Scheduler:
             if token is None:
                 continue
             req.append_token(token)
+            req.last_token_time = self.clock()
             status = stop_status(req, self.config.max_model_len)
             if status is not None:
                 self.running.remove(req)
@@ -223,6 +260,12 @@ class Scheduler:
         return finished
 
     # ---- helpers ---------------------------------------------------------------
+    def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:
+        """A step's measured time, for a cost model that learns online."""
+        observe = getattr(self.cost_model, "observe", None)
+        if observe is not None and plan.scheduled:
+            observe(StepShape.of(plan.scheduled), seconds)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)

@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from tandem.core.sampling_params import SamplingParams
+from tandem.core.slo import DEFAULT_CLASS, SLOClass
 from tandem.engine.config import EngineConfig
 from tandem.engine.messages import (
     ABORT,
@@ -72,6 +73,12 @@ class RequestFailedError(RequestError):
     """Computing this request failed in the engine; the other requests went on."""
 
 
+class RequestShedError(RequestError):
+    """The scheduler shed the request: it could no longer meet its SLO (its class says so)."""
+
+    status = 503
+
+
 class Observer(Protocol):
     """Receives what metrics need; implemented by the server, optional."""
 
@@ -80,6 +87,10 @@ class Observer(Protocol):
     def on_stats(self, stats: EngineStats) -> None: ...
 
     def on_abort(self, request_id: str) -> None: ...
+
+    def on_add(self, request_id: str, slo: SLOClass) -> None: ...
+
+    def on_shed(self, request_id: str) -> None: ...
 
 
 class _Collector:
@@ -265,13 +276,14 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        slo: SLOClass = DEFAULT_CLASS,
     ) -> RequestStream:
         """Send the request to the core now; iterate the stream for its outputs."""
         if self.dead:
             raise EngineDeadError(self.dead)
         request_id = request_id or uuid.uuid4().hex
         core_requests = self.processor.add_request(
-            request_id, prompt, prompt_token_ids, params, time.monotonic(), priority
+            request_id, prompt, prompt_token_ids, params, time.monotonic(), priority, slo
         )
         try:  # built whole before anything is registered or sent: a failure leaves no trace
             payloads = [self._encoder.encode(creq) for creq in core_requests]
@@ -279,6 +291,8 @@ class AsyncLLM:
             self.processor.abort(request_id)
             raise ValueError(f"request: cannot be encoded for the engine: {e}") from None
         collector = self._collectors[request_id] = _Collector()
+        if self.observer is not None:
+            self.observer.on_add(request_id, core_requests[0].slo)
         for creq, payload in zip(core_requests, payloads):
             self._unscheduled.add(creq.request_id)
             self._send(ADD, payload)
@@ -331,7 +345,8 @@ class AsyncLLM:
             self._fail_request(child_id, RequestRejectedError(reason))
         for o in msg.outputs:
             if o.error is not None:
-                self._fail_request(o.request_id, RequestFailedError(o.error))
+                error = RequestShedError if o.finish_reason == "shed" else RequestFailedError
+                self._fail_request(o.request_id, error(o.error))
         if not msg.outputs:
             return
         self._unscheduled.difference_update(o.request_id for o in msg.outputs)
@@ -350,6 +365,8 @@ class AsyncLLM:
         request_id = self.processor.parent_id(child_id)
         collector = self._collectors.pop(request_id, None) if request_id else None
         if collector is not None:
+            if isinstance(error, RequestShedError) and self.observer is not None:
+                self.observer.on_shed(request_id)
             self.abort(request_id)
             collector.fail(error)
 

@@ -7,8 +7,11 @@ from __future__ import annotations
 import logging
 
 from tandem.core.clock import WallClock
+from tandem.core.cost_model import DEFAULT_PRIOR, CostModel, OnlineCostModel
 from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.policy import BatchPolicy, FCFSBatch, PriorityBatch
 from tandem.core.scheduler import Scheduler, SchedulerConfig
+from tandem.core.slo_policy import SLOBatch
 from tandem.engine.config import EngineConfig
 from tandem.engine.core import EngineCore
 
@@ -21,21 +24,40 @@ def build_engine(config: EngineConfig, clock=None):
     from tandem.runner.builder import build_model_runner  # torch: only when a model is built
 
     clock = clock or WallClock()
+    cost = build_cost_model(config)  # before the model loads: a bad file fails at once
     loaded = build_model_runner(config)
     kv = KVCacheManager(loaded.num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(
         SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, loaded.max_model_len),
         kv,
         clock,
+        build_batch_policy(config.scheduling_policy, cost),
+        cost,
     )
     core = EngineCore(scheduler, loaded.runner, clock, loaded.model_config.eos_token_ids)
     log.info(
-        "engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+        "engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d, scheduling %s",
         loaded.model_config.architecture,
         loaded.dtype,
         loaded.device,
         loaded.num_blocks - 1,
         config.block_size,
         loaded.max_model_len,
+        config.scheduling_policy,
     )
     return core, loaded
+
+
+def build_cost_model(config: EngineConfig):
+    """The step-latency model: a profiled one from a file, else one fitted online."""
+    if config.cost_model:
+        return CostModel.load(config.cost_model)
+    return OnlineCostModel(DEFAULT_PRIOR)
+
+
+def build_batch_policy(name: str, cost_model) -> BatchPolicy:
+    if name == "priority":
+        return PriorityBatch()
+    if name == "slo":
+        return SLOBatch(cost_model)
+    return FCFSBatch()

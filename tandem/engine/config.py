@@ -16,6 +16,7 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
 # GiB for the KV cache when no flag sets it: vLLM's VLLM_CPU_KVCACHE_SPACE, under our name.
 KV_CACHE_SPACE_ENV = "TANDEM_CPU_KVCACHE_SPACE"
 DEFAULT_KV_CACHE_GIB = 2.0
+SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
 
 
 def _flag(default, help: str, **argparse_kwargs):
@@ -61,6 +62,18 @@ class EngineConfig:
         None, "usable KV blocks, overriding --kv-cache-memory (tests, simulations)", type=int
     )
     max_logprobs: int = _flag(20, "most logprobs a request may ask for per token")
+    scheduling_policy: str = _flag(
+        "fcfs",
+        "fcfs: first come, first served; priority: strict priority (lower first), preempting "
+        "lower classes; slo: SLO-aware batching driven by the cost model",
+        choices=SCHEDULING_POLICIES,
+    )
+    cost_model: str | None = _flag(
+        None,
+        "a step-latency cost model from `tandem profile` (default: fitted online from the "
+        "steps the engine times)",
+        type=str,
+    )
     trust_remote_code: bool = _flag(
         False,
         "accepted for vLLM's scripts; no remote code is ever run (architectures are built in)",
@@ -86,6 +99,11 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
             )
         if not (isinstance(self.max_logprobs, int) and self.max_logprobs >= 0):
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")

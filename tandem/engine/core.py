@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from tandem.core.cost_model import StepShape
 from tandem.core.request import Request, RequestStatus
 from tandem.core.runner import Runner, RunnerOutput
 from tandem.core.scheduler import Scheduler, SchedulerOutput
@@ -37,13 +38,15 @@ class EngineCore:
         # abort, KV arriving) can change that, so a loop around the core may block.
         self.stalled = False
         self.last_step_timings: dict[str, float] = {}  # seconds per phase, on `clock`
+        self.step_seconds, self.predicted_step_seconds = 0.0, None
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
         params = req.sampling_params
         params.eos_token_ids = self.eos_token_ids
+        slo = req.slo.with_targets(params.ttft_ms, params.tpot_ms, req.priority)
         request = Request(
-            req.request_id, req.prompt_token_ids, params, req.arrival_time, req.priority
+            req.request_id, req.prompt_token_ids, params, req.arrival_time, req.priority, slo
         )
         self.scheduler.add_request(request)
         self.stalled = False
@@ -59,9 +62,11 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         t0 = self.clock()
         plan = self.scheduler.schedule()
-        self.stalled = plan.is_empty and not plan.preempted_ids
-        if plan.is_empty and not plan.finished_ids:
+        self.stalled = plan.is_empty and not plan.preempted_ids and not plan.shed
+        if plan.is_empty and not plan.finished_ids and not plan.shed:
             return []
+        cost = self.scheduler.cost_model
+        self.predicted_step_seconds = cost.predict(StepShape.of(plan.scheduled)) if cost else None
         t1 = self.clock()
         try:
             result = self.runner.execute(plan)  # an empty plan still releases finished state
@@ -70,7 +75,9 @@ class EngineCore:
             log.exception("a step of %d requests failed; retrying each alone", len(plan.scheduled))
             result, errors = self._execute_one_by_one(plan)
         t2 = self.clock()
-        outputs = self._fail(errors)
+        self.step_seconds = t2 - t1
+        self.scheduler.observe_step(plan, t2 - t1)
+        outputs = [_shed_output(r) for r in plan.shed] + self._fail(errors)
         self.scheduler.update(plan, result.sampled)
         for s in plan.scheduled:
             req = s.request
@@ -136,7 +143,20 @@ class EngineCore:
             prefix_cache_hits=kv.stats.hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_evicted_blocks=kv.num_evicted,
+            step_seconds=self.step_seconds,
+            predicted_step_seconds=self.predicted_step_seconds,
         )
 
     def reset_prefix_cache(self) -> int:
         return self.scheduler.kv.reset_prefix_cache()
+
+
+def _shed_output(req: Request) -> EngineCoreOutput:
+    slo = req.slo
+    why = f"TTFT target of {slo.ttft_ms:g} ms" if slo.ttft_ms is not None else "SLO"
+    return EngineCoreOutput(
+        req.request_id,
+        [],
+        finish_reason=req.finish_reason,
+        error=f"shed: it could no longer meet its {why} (class {slo.name!r})",
+    )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Sequence
 
 from tandem.core.sampling_params import SamplingParams
@@ -38,13 +37,19 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
+        """priority: one per prompt, lower is more urgent (with scheduling_policy="priority"
+        or "slo"), as vLLM's."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
+        priority = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priority) != len(prompts):
+            raise ValueError(f"priority: got {len(priority)} for {len(prompts)} prompts")
         tokenized = [self._tokenize(p) for p in prompts]
         for ids, p in zip(tokenized, params):  # check everything before adding anything
             self._check_fits(ids, p)
-        return self._run(list(zip(prompts, tokenized, params)), use_tqdm)
+        return self._run(list(zip(prompts, tokenized, params, priority)), use_tqdm)
 
     def chat(
         self,
@@ -80,11 +85,12 @@ class LLM:
 
     def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
         order = []
-        for prompt, ids, params in items:
+        for prompt, ids, params, priority in items:
             rid = str(next(self._ids))
             order.append(rid)
+            text = prompt if isinstance(prompt, str) else None
             for creq in self.processor.add_request(
-                rid, prompt if isinstance(prompt, str) else None, ids, params, time.monotonic()
+                rid, text, ids, params, self.engine.clock(), priority
             ):
                 self.engine.add_request(creq)
         bar = _progress(len(items), use_tqdm)

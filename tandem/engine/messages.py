@@ -14,6 +14,7 @@ import msgspec
 
 from tandem.core.runner import TokenLogprobs
 from tandem.core.sampling_params import SamplingParams
+from tandem.core.slo import DEFAULT_CLASS, SLOClass
 
 # Message kinds, server -> core: the first frame of a multipart message.
 ADD, ABORT, SHUTDOWN = b"add", b"abort", b"shutdown"
@@ -25,6 +26,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     sampling_params: SamplingParams
     arrival_time: float
     priority: int = 0
+    slo: SLOClass = DEFAULT_CLASS  # its class and targets, resolved by the front end
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -47,6 +49,8 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_evicted_blocks: int
+    step_seconds: float = 0.0  # the last step's execute time
+    predicted_step_seconds: float | None = None  # what the cost model said it would take
 
 
 class CoreReady(msgspec.Struct, tag="ready", array_like=True):

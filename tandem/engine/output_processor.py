@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from tandem.core.sampling_params import SamplingParams
+from tandem.core.slo import DEFAULT_CLASS, SLOClass
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.messages import EngineCoreOutput, EngineCoreRequest
 from tandem.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -81,6 +82,7 @@ class OutputProcessor:
         params: SamplingParams,
         arrival_time: float,
         priority: int = 0,
+        slo: SLOClass = DEFAULT_CLASS,
     ) -> list[EngineCoreRequest]:
         """Register a request; return the core requests for its n samples."""
         if request_id in self._parents:
@@ -101,7 +103,7 @@ class OutputProcessor:
             seqs.append(seq)
             cid = child_request_id(request_id, i, params.n)
             core_requests.append(
-                EngineCoreRequest(cid, prompt_token_ids, child, arrival_time, priority)
+                EngineCoreRequest(cid, prompt_token_ids, child, arrival_time, priority, slo)
             )
         parent = _Parent(request_id, prompt, prompt_token_ids, seqs, RequestMetrics(arrival_time))
         self._parents[request_id] = parent

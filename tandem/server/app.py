@@ -13,7 +13,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tandem import __version__
-from tandem.engine.async_llm import EngineDeadError, RequestError
+from tandem.engine.async_llm import EngineDeadError, RequestAbortedError, RequestError
 from tandem.server.chat import chat_prompt, create_chat_completion
 from tandem.server.completions import create_completion
 from tandem.server.errors import (
@@ -191,10 +191,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def request_error(_: Request, e: RequestError) -> Response:
         if isinstance(e, EngineDeadError):
             return unavailable(f"the engine is dead: {e}").response()
+        if isinstance(e, RequestAbortedError):
+            return unavailable(f"request aborted: {e}").response()
         if e.status == 400:
             return bad_request(str(e)).response()
-        if e.status == 503:
-            return unavailable(f"request aborted: {e}").response()
+        if e.status == 503:  # shed: the message names the SLO
+            return unavailable(str(e)).response()
         return server_error(f"the request failed in the engine: {e}").response()
 
     @app.exception_handler(Exception)

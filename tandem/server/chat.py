@@ -51,7 +51,7 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     params = req.sampling_params(req.max_output_tokens, req.num_logprobs, serving.sampling_defaults)
     params = serving.fit(prompt, params, "messages", "top_logprobs")
     job = _Job(serving, req, prompt, params.stop)
-    streams = serving.generate(job.id, [prompt], [params], req.priority)
+    streams = serving.generate(job.id, [prompt], [params], req.priority, req.slo_class)
     if req.stream:
         return EventStreamResponse(job.events(streams[0]), streams)
     try:

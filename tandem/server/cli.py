@@ -70,6 +70,12 @@ def add_parser(sub) -> None:
         help="sampling defaults: auto (the model's generation_config.json), vllm (none), or a "
         "folder holding a generation_config.json",
     )
+    p.add_argument(
+        "--slo-classes",
+        default=None,
+        help="a JSON or YAML list of SLO classes (name, priority, ttft_ms, tpot_ms, weight, "
+        "on_overload: keep|shed|demote) that requests pick with `slo_class`",
+    )
     logging_group = p.add_mutually_exclusive_group()
     logging_group.add_argument(
         "--enable-log-requests", dest="log_requests", action="store_true", default=False,
@@ -100,6 +106,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"shutdown_timeout must be >= 0, got {args.shutdown_timeout}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     config = engine_config_from_args(args, model)
+    if args.slo_classes is not None:
+        from tandem.core.slo import load_slo_classes
+
+        args.slo_classes = load_slo_classes(args.slo_classes)
     if args.chat_template is not None:
         from tandem.engine.tokenizer import load_chat_template
 
@@ -159,6 +169,7 @@ async def _serve(args: argparse.Namespace, config, model: str | None, sock) -> i
             args.max_waiting,
             sampling_defaults(args.generation_config, engine.model_path),
             args.log_requests,
+            args.slo_classes,
         )
         state = ServerState(serving, metrics, args.api_key)
         server = _Server(

@@ -32,7 +32,7 @@ async def create_completion(serving: Serving, request: Request) -> Response:
     params = req.sampling_params(req.max_tokens, req.logprobs, serving.sampling_defaults)
     params_per_prompt = [serving.fit(p, params) for p in prompts]
     job = _Job(serving, req, prompts, params.stop)
-    streams = serving.generate(job.id, prompts, params_per_prompt, req.priority)
+    streams = serving.generate(job.id, prompts, params_per_prompt, req.priority, req.slo_class)
     if req.stream:
         return EventStreamResponse(job.events(streams), streams)
     try:

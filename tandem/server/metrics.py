@@ -18,6 +18,7 @@ from prometheus_client import (
 )
 
 if TYPE_CHECKING:
+    from tandem.core.slo import SLOClass
     from tandem.engine.messages import EngineStats
     from tandem.engine.outputs import RequestOutput
 
@@ -66,6 +67,17 @@ class Metrics:
             "Time spent waiting before first scheduled",
             _LATENCY_BUCKETS,
         )
+        # SLO classes: attainment of each target, and requests shed, by class
+        self.slo_requests = self._by_class("slo_requests", "Finished requests, by SLO class")
+        self.slo_ttft_met = self._by_class("slo_ttft_met", "Requests that met their TTFT target")
+        self.slo_tpot_met = self._by_class("slo_tpot_met", "Requests that met their TPOT target")
+        self.slo_met = self._by_class("slo_met", "Requests that met all their targets (goodput)")
+        self.shed = self._by_class("requests_shed", "Requests shed: their SLO could not be met")
+        self.step_time = self._gauge("step_time_seconds", "The last engine step's execute time")
+        self.step_predicted = self._gauge(
+            "step_time_predicted_seconds", "What the cost model predicted for the last step"
+        )
+        self._slo: dict[str, SLOClass] = {}
         self._last_token_time: dict[str, float] = {}
         self._engine_totals = (0, 0, 0)  # the core's cumulative counters seen so far
 
@@ -74,6 +86,9 @@ class Metrics:
 
     def _counter(self, name: str, doc: str):
         return Counter(f"tandem:{name}", doc, _LABELS, registry=self.registry).labels(*self._labels)
+
+    def _by_class(self, name: str, doc: str):
+        return Counter(f"tandem:{name}", doc, [*_LABELS, "class"], registry=self.registry)
 
     def _histogram(self, name: str, doc: str, buckets: list[float]):
         return Histogram(
@@ -92,6 +107,32 @@ class Metrics:
             if new > old:
                 counter.inc(new - old)
         self._engine_totals = totals
+        self.step_time.set(stats.step_seconds)
+        if stats.predicted_step_seconds is not None:
+            self.step_predicted.set(stats.predicted_step_seconds)
+
+    def on_add(self, request_id: str, slo: SLOClass) -> None:
+        self._slo[request_id] = slo
+
+    def on_shed(self, request_id: str) -> None:
+        slo = self._slo.pop(request_id, None)
+        if slo is not None:
+            self.shed.labels(*self._labels, slo.name).inc()
+
+    def _record_slo(self, out: RequestOutput, now: float) -> None:
+        slo = self._slo.pop(out.request_id, None)
+        if slo is None:
+            return
+        m, labels = out.metrics, (*self._labels, slo.name)
+        first = m.first_token_time if m.first_token_time is not None else now
+        tokens = max((len(c.token_ids) for c in out.outputs), default=0)
+        tpot = (now - first) / (tokens - 1) if tokens > 1 else 0.0
+        ttft_ok = slo.ttft_ms is None or (first - m.arrival_time) * 1000 <= slo.ttft_ms
+        tpot_ok = slo.tpot_ms is None or tpot * 1000 <= slo.tpot_ms
+        self.slo_requests.labels(*labels).inc()
+        for counter, ok in ((self.slo_ttft_met, ttft_ok), (self.slo_tpot_met, tpot_ok),
+                            (self.slo_met, ttft_ok and tpot_ok)):  # fmt: skip
+            counter.labels(*labels).inc(ok)
 
     def on_outputs(self, outputs: list[RequestOutput], num_new_tokens: int, now: float) -> None:
         self.generation_tokens.inc(num_new_tokens)
@@ -110,11 +151,13 @@ class Metrics:
                 self.e2e.observe(now - m.arrival_time)
                 reason = out.outputs[0].finish_reason or "stop"
                 self.success.labels(*self._labels, reason).inc()
+                self._record_slo(out, now)
             else:
                 self._last_token_time[out.request_id] = now
 
     def on_abort(self, request_id: str) -> None:
         self._last_token_time.pop(request_id, None)
+        self._slo.pop(request_id, None)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -70,7 +70,10 @@ class _SamplingRequest(_Model):
     include_stop_str_in_output: bool = False
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    priority: Int64 = 0
+    priority: Int64 | None = None  # default: the SLO class's (0 without classes)
+    slo_class: str | None = None  # a class of --slo-classes (default: the default class)
+    ttft_ms: float | None = None  # this request's own targets, over its class's
+    tpot_ms: float | None = None
     user: str | None = None
 
     def check(self) -> None:
@@ -101,6 +104,8 @@ class _SamplingRequest(_Model):
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                ttft_ms=self.ttft_ms,
+                tpot_ms=self.tpot_ms,
             )
         except ValueError as e:
             raise bad_request(str(e)) from None

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 
 from tandem.core.sampling_params import SamplingParams
+from tandem.core.slo import SLOClass, default_class
 from tandem.engine.async_llm import AsyncLLM, RequestStream
 from tandem.engine.outputs import RequestOutput
 from tandem.server.errors import bad_request, not_found, unavailable
@@ -30,6 +31,7 @@ class Serving:
         max_waiting: int | None = None,
         sampling_defaults: dict | None = None,
         log_requests: bool = False,
+        slo_classes: dict[str, SLOClass] | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -38,7 +40,20 @@ class Serving:
         self.max_waiting = max_waiting
         self.sampling_defaults = sampling_defaults or {}  # for fields a request leaves unset
         self.log_requests = log_requests
+        self.slo_classes = slo_classes or {}
+        self.default_slo = default_class(self.slo_classes)
         self.created = int(time.time())  # the model's, in /v1/models
+
+    def slo(self, name: str | None, priority: int | None) -> tuple[SLOClass, int]:
+        """The request's class (by name, else the default) and its priority (its own, else
+        the class's)."""
+        cls = self.default_slo
+        if name is not None:
+            cls = self.slo_classes.get(name)
+            if cls is None:
+                known = sorted(self.slo_classes) or "none: start the server with --slo-classes"
+                raise bad_request(f"slo_class: unknown class {name!r}; known: {known}", "slo_class")
+        return cls, cls.priority if priority is None else priority
 
     def check_model(self, name: str | None) -> None:
         if name and name not in self.served_names:
@@ -121,9 +136,11 @@ class Serving:
         request_id: str,
         prompts: list[Prompt],
         params: list[SamplingParams],
-        priority: int = 0,
+        priority: int | None = None,
+        slo_class: str | None = None,
     ) -> list[RequestStream]:
         """Start one generation per prompt (admission checked for all of them first)."""
+        slo, priority = self.slo(slo_class, priority)
         self.admit(sum(p.n for p in params))
         if self.log_requests:
             for prompt, p in zip(prompts, params):
@@ -133,7 +150,7 @@ class Serving:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(
-                    self.engine.add_request(prompt.text, prompt.token_ids, p, rid, priority)
+                    self.engine.add_request(prompt.text, prompt.token_ids, p, rid, priority, slo)
                 )
         except ValueError as e:
             for s in streams:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 from tandem.core.clock import FakeClock
+from tandem.core.cost_model import StepShape
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.request import Request
 from tandem.core.sampling_params import SamplingParams
@@ -23,11 +24,15 @@ class Harness:
         max_num_batched_tokens: int = 64,
         max_model_len: int = 1024,
         prefix_caching: bool = True,
+        batch=None,
+        cost_model=None,
     ) -> None:
         self.clock = FakeClock()
         self.kv = KVCacheManager(num_blocks, block_size, prefix_caching)
         cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
-        self.sched = Scheduler(cfg, self.kv, self.clock)
+        self.sched = Scheduler(cfg, self.kv, self.clock, batch, cost_model)
+        # Each step takes what the cost model predicts for it (0.01 s without one).
+        self.cost_model = cost_model
         self._ids = itertools.count()
         self.next_token = 7  # what the fake model samples
         # The fake KV: for each (block, offset), the token prefix whose KV sits there. A
@@ -35,13 +40,13 @@ class Harness:
         # someone else's keys.
         self.kv_content: dict[tuple[int, int], tuple[int, ...]] = {}
 
-    def add(self, prompt, max_tokens=4, priority=0, **params) -> Request:
+    def add(self, prompt, max_tokens=4, priority=0, slo=None, **params) -> Request:
         if isinstance(prompt, int):
             prompt = list(range(100, 100 + prompt))
         sp = SamplingParams(max_tokens=max_tokens, eos_token_ids=(EOS,), **params)
-        req = Request(
-            f"r{next(self._ids)}", prompt, sp, arrival_time=self.clock(), priority=priority
-        )
+        rid = f"r{next(self._ids)}"
+        extra = {"slo": slo} if slo is not None else {}
+        req = Request(rid, prompt, sp, arrival_time=self.clock(), priority=priority, **extra)
         self.sched.add_request(req)
         self.clock.advance(0.001)
         return req
@@ -57,9 +62,10 @@ class Harness:
             self.assert_kv_correct(s.request, s.start + s.num_new_tokens)
         tokens = {s.request.request_id: self.next_token for s in plan.scheduled if s.sample}
         tokens.update(sampled or {})
+        seconds = self.cost_model.predict(StepShape.of(plan.scheduled)) if self.cost_model else 0.01
+        self.clock.advance(seconds)  # the step runs, then its tokens exist
         finished = self.sched.update(plan, tokens)
         self.sched.check_invariants()
-        self.clock.advance(0.01)
         return plan, finished
 
     def _write_kv(self, plan: SchedulerOutput) -> None:

@@ -156,12 +156,13 @@ def test_abort_frees_blocks_of_running_and_waiting_requests():
 
 
 def test_priority_value_and_arrival_order_pick_the_victim():
-    from tandem.core.policy import PreemptNewest
+    from tandem.core.policy import FCFSBatch
 
     h = Harness()
     a, b, c = h.add(4), h.add(4, priority=1), h.add(4)
-    assert PreemptNewest().pick_victim([a, b, c]) is b
-    assert PreemptNewest().pick_victim([a, c]) is c
+    assert FCFSBatch().victim(a, [a, b, c]) is b
+    assert FCFSBatch().victim(a, [a, c]) is c
+    assert FCFSBatch().victim(h.add(4), [a, c]) is None  # a waiting request preempts nobody
 
 
 def test_max_tokens_none_means_until_max_model_len():

@@ -249,3 +249,27 @@ def test_seeded_sampler_state_is_released_by_a_step_that_schedules_nothing(llm):
     assert sampler._seeded  # the requests finished in the last step; nobody told the runner
     assert llm.engine.step() == []
     assert not sampler._seeded
+
+
+@pytest.mark.parametrize("policy", ["priority", "slo"])
+def test_every_scheduling_policy_gives_the_same_greedy_tokens(llama_path, policy):
+    """Order, chunking and preemption change under priority and SLO scheduling; the tokens
+    of a greedy request do not. A pool small enough to preempt, mixed priorities."""
+    prompts = [[5 + i] * (3 + 7 * i) for i in range(8)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, ttft_ms=50.0 * (i + 1))
+        for i in range(8)
+    ]
+    priority = [i % 3 for i in range(8)]
+
+    def run(name):
+        llm = LLM(str(llama_path), dtype="float32", block_size=4, num_kv_blocks=40,
+                  max_num_batched_tokens=24, scheduling_policy=name)  # fmt: skip
+        outs = llm.generate(prompts, params, use_tqdm=False, priority=priority)
+        assert_idle(llm)
+        return [o.outputs[0].token_ids for o in outs], llm.engine.scheduler.num_preemptions
+
+    ref, _ = run("fcfs")
+    got, preemptions = run(policy)
+    assert got == ref
+    assert preemptions > 0

@@ -1,0 +1,168 @@
+"""fcfs vs priority vs slo scheduling on one seeded multi-class workload, through the real
+server, from light load to past saturation.
+
+    python benchmarks/slo_scheduling.py [--num-prompts 40] [--cost-model cost.json]
+
+30% interactive requests (short prompts; TTFT and TPOT targets) and 70% batch requests (long
+prompts, loose targets), Poisson arrivals. First the saturation rate is measured (fcfs, all
+requests at once); then every policy runs the same requests at each multiple of it. Prints
+per-class SLO attainment, goodput and throughput per policy and rate, and writes
+slo-scheduling.json and slo-scheduling.png to --result-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICIES = ("fcfs", "priority", "slo")
+
+
+def classes(args) -> tuple[list[dict], list[str]]:
+    """The server's SLO classes file, and the bench's --class specs for the same classes."""
+    served = [
+        {"name": "interactive", "priority": 0, "ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms,
+         "on_overload": "shed"},
+        {"name": "batch", "priority": 1, "ttft_ms": args.batch_ttft_ms, "tpot_ms": args.batch_tpot_ms,
+         "on_overload": "demote"},
+    ]  # fmt: skip
+    bench = [
+        f"name=interactive,share=0.3,input={args.interactive_input},output={args.output},"
+        f"priority=0,ttft={args.ttft_ms},tpot={args.tpot_ms}",
+        f"name=batch,share=0.7,input={args.batch_input},output={args.output},"
+        f"priority=1,ttft={args.batch_ttft_ms},tpot={args.batch_tpot_ms}",
+    ]
+    return served, bench
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench(url: str, args, specs: list[str], rates: str, name: str) -> list[dict]:
+    out = Path(args.result_dir)
+    cmd = [sys.executable, "-m", "tandem.cli", "bench", "serve", "--base-url", url,
+           "--dataset-name", "multi-class", "--num-prompts", str(args.num_prompts),
+           "--request-rate", rates, "--seed", str(args.seed), "--ignore-eos", "--send-slo-class",
+           "--disable-tqdm", "--save-result", "--result-dir", str(out),
+           "--result-filename", f"{name}.json"]  # fmt: skip
+    for spec in specs:
+        cmd += ["--class", spec]
+    subprocess.run(cmd, check=False, cwd=ROOT, stdout=subprocess.DEVNULL)
+    sweep = out / f"{name}-sweep.json"
+    return (
+        json.loads(sweep.read_text())["points"]
+        if sweep.exists()
+        else [json.loads((out / f"{name}.json").read_text())]
+    )
+
+
+def run_policy(policy: str, args, served: list[dict], specs: list[str], rates: str, name: str):
+    from tandem.bench.servers import tandem_server
+
+    out = Path(args.result_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "slo-classes.json").write_text(json.dumps(served))
+    extra = ["--scheduling-policy", policy, "--slo-classes", str(out / "slo-classes.json"),
+             "--disable-uvicorn-access-log", "--max-num-batched-tokens", str(args.max_tokens_step)]  # fmt: skip
+    if args.cost_model:
+        extra += ["--cost-model", args.cost_model]
+    server = tandem_server(free_port(), args.model, extra, out / f"{name}.log")
+    with server:
+        server.wait_ready(600)
+        return bench(server.base_url, args, specs, rates, name)
+
+
+def summarize(point: dict) -> dict:
+    att = point.get("slo_attainment", {})
+    good = sum(att.get(c, {}).get("good", 0) for c in ("interactive", "batch"))
+    return {
+        "rate": point["request_rate"],
+        "interactive": att.get("interactive", {}).get("attainment", 0.0),
+        "batch": att.get("batch", {}).get("attainment", 0.0),
+        "goodput": good / point["duration"],
+        "throughput": point["output_throughput"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--multiples", default="0.25,0.5,1.0,1.5", help="of the saturation rate")
+    ap.add_argument("--ttft-ms", type=float, default=1000)
+    ap.add_argument("--tpot-ms", type=float, default=150)
+    ap.add_argument("--batch-ttft-ms", type=float, default=30000)
+    ap.add_argument("--batch-tpot-ms", type=float, default=1000)
+    ap.add_argument("--interactive-input", default="32-96")
+    ap.add_argument("--batch-input", default="384-768")
+    ap.add_argument("--output", default="32-64")
+    ap.add_argument("--max-tokens-step", type=int, default=512, help="--max-num-batched-tokens")
+    ap.add_argument("--cost-model", default=None, help="from `tandem profile` (else online)")
+    ap.add_argument("--result-dir", default="bench-results/slo")
+    args = ap.parse_args()
+    served, specs = classes(args)
+
+    sat = run_policy("fcfs", args, served, specs, "inf", "saturation")[0]
+    saturation = sat["completed"] / sat["duration"]
+    multiples = [float(m) for m in args.multiples.split(",")]
+    rates = ",".join(f"{m * saturation:.3f}" for m in multiples)
+    print(f"saturation: {saturation:.3f} req/s (fcfs, {sat['completed']} requests at once)")
+    results = {
+        p: [summarize(pt) for pt in run_policy(p, args, served, specs, rates, p)] for p in POLICIES
+    }
+
+    print(f"\n{'rate':>7} {'x sat':>6} | " + " | ".join(f"{p:^31}" for p in POLICIES))
+    print(
+        f"{'':>7} {'':>6} | "
+        + " | ".join(f"{'inter':>7} {'batch':>7} {'goodput':>7} {'tok/s':>6}" for _ in POLICIES)
+    )
+    for i, m in enumerate(multiples):
+        cells = []
+        for p in POLICIES:
+            r = results[p][i]
+            cells.append(
+                f"{r['interactive']:>7.0%} {r['batch']:>7.0%} {r['goodput']:>7.3f} {r['throughput']:>6.1f}"
+            )
+        print(f"{results['fcfs'][i]['rate']:>7.3f} {m:>6.2f} | " + " | ".join(cells))
+    out = Path(args.result_dir)
+    doc = {
+        "saturation_rps": saturation,
+        "multiples": multiples,
+        "results": results,
+        "args": vars(args),
+    }
+    (out / "slo-scheduling.json").write_text(json.dumps(doc, indent=2))
+    plot(results, multiples, out / "slo-scheduling.png")
+    print(f"\nsaved {out / 'slo-scheduling.json'} and {out / 'slo-scheduling.png'}")
+
+
+def plot(results: dict, multiples: list[float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, key, title in zip(axes, ("interactive", "batch", "goodput"),
+                              ("interactive SLO attainment", "batch SLO attainment", "goodput (req/s)")):  # fmt: skip
+        for p in POLICIES:
+            ax.plot(multiples, [r[key] for r in results[p]], marker="o", label=p)
+        ax.set_title(title)
+        ax.set_xlabel("request rate (x saturation)")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""The step-latency cost model: seconds for one engine step from the shape of its plan.
+
+    step seconds = c0 + c_prefill * prefill tokens + c_decode * decode rows
+                 + c_kv * KV tokens read + c_chunk * chunk attention
+
+"KV tokens read" is what attention reads of KV computed before this step (a chunk of n tokens
+after `start` reads n * start, a decode row its context); "chunk attention" is what prefill
+chunks read of their own new KV (n * (n + 1) / 2 each), where attention is quadratic and the
+prefill path pads to power-of-two buckets. The model is linear in these, fitted by least
+squares on relative error (`tandem profile`, or online from the steps the engine runs), and
+serialized as a small JSON file. The SLO scheduler asks it whether a batch keeps every running
+request inside its TPOT; the router and the simulator ask it how long a step takes. Pure
+Python, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+FEATURES = ("const", "prefill_tokens", "decode_rows", "kv_tokens", "chunk_kv")
+Coef = tuple[float, float, float, float, float]
+
+
+def chunk_kv(n: int) -> int:
+    """KV entries a chunk of n new tokens reads of its own (causal)."""
+    return n * (n + 1) // 2
+
+
+@dataclass(frozen=True)
+class StepShape:
+    prefill_tokens: int = 0  # tokens of rows still in their prompt (or several at once)
+    decode_rows: int = 0  # rows computing one output token
+    kv_tokens: int = 0  # KV entries read that earlier steps wrote
+    chunk_kv: int = 0  # KV entries prefill chunks read of their own
+
+    @classmethod
+    def of(cls, scheduled: Iterable) -> StepShape:
+        """The shape of a plan's `scheduled` rows (ScheduledRequest)."""
+        shape = cls()
+        for s in scheduled:
+            shape = shape.with_row(s.request, s.start, s.num_new_tokens)
+        return shape
+
+    def with_row(self, request, start: int, n: int) -> StepShape:
+        if n == 1 and start >= request.num_prompt_tokens:
+            return self.plus(decode_rows=1, kv_tokens=start)
+        return self.plus(prefill_tokens=n, kv_tokens=n * start, chunk_kv=chunk_kv(n))
+
+    def plus(
+        self, prefill_tokens: int = 0, decode_rows: int = 0, kv_tokens: int = 0, chunk_kv: int = 0
+    ) -> StepShape:
+        return StepShape(
+            self.prefill_tokens + prefill_tokens,
+            self.decode_rows + decode_rows,
+            self.kv_tokens + kv_tokens,
+            self.chunk_kv + chunk_kv,
+        )
+
+    def features(self) -> tuple[float, ...]:
+        return (1.0, self.prefill_tokens, self.decode_rows, self.kv_tokens, self.chunk_kv)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    coef: Coef  # seconds per step, prefill token, decode row, KV token, chunk KV entry
+    info: dict | None = None  # where it came from: hardware, model, fit error
+
+    def predict(self, shape: StepShape) -> float:
+        return sum(c * x for c, x in zip(self.coef, shape.features()))
+
+    @property
+    def seconds_per_prefill_token(self) -> float:
+        return self.coef[1]
+
+    @classmethod
+    def fit(cls, points: Sequence[tuple[StepShape, float]], ridge: float = 1e-9) -> CostModel:
+        """Least squares on relative error over (shape, seconds) points, so a 30 ms decode
+        step counts as much as a 1 s prefill. Coefficients are kept non-negative (a step
+        never gets faster with more work): a negative one is dropped and the rest refitted."""
+        if len(points) < 2:
+            raise ValueError(f"cost model: need at least 2 measured steps, got {len(points)}")
+        active = list(range(len(FEATURES)))
+        while True:
+            coef = _least_squares(points, active, ridge)
+            negative = [i for i in active if coef[i] < 0]
+            if not negative:
+                return cls(tuple(coef))
+            active.remove(min(negative, key=lambda i: coef[i]))
+
+    def mean_abs_error(self, points: Sequence[tuple[StepShape, float]]) -> float:
+        """Mean of |predicted - measured| / measured."""
+        return sum(abs(self.predict(s) - t) / t for s, t in points) / len(points)
+
+    # ---- files ---------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"features": list(FEATURES), "coef": list(self.coef), "info": self.info or {}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostModel:
+        if data.get("features") != list(FEATURES) or len(data.get("coef", ())) != len(FEATURES):
+            raise ValueError(f"cost model: expected coefficients for {list(FEATURES)}")
+        return cls(tuple(float(c) for c in data["coef"]), data.get("info") or None)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cost_model: cannot read {str(path)!r}: {e}") from None
+
+
+class OnlineCostModel:
+    """A cost model fitted as the engine runs, from the steps it times: it starts from a
+    prior and refits every `refit_every` steps over the last `window` of them."""
+
+    def __init__(self, prior: CostModel, window: int = 512, refit_every: int = 32) -> None:
+        self.model = prior
+        self.window, self.refit_every = window, refit_every
+        self._points: list[tuple[StepShape, float]] = []
+        self._since_fit = 0
+
+    def predict(self, shape: StepShape) -> float:
+        return self.model.predict(shape)
+
+    @property
+    def seconds_per_prefill_token(self) -> float:
+        return self.model.seconds_per_prefill_token
+
+    @property
+    def coef(self) -> Coef:
+        return self.model.coef
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        self._points.append((shape, seconds))
+        del self._points[: -self.window]
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every and len(self._points) >= 8:
+            self._since_fit = 0
+            self.model = CostModel.fit(self._points)
+
+
+# A prior for a small model on a CPU, replaced as soon as real steps are timed.
+DEFAULT_PRIOR = CostModel((0.02, 0.0005, 0.001, 1e-6, 2e-6), {"source": "prior"})
+
+
+def _least_squares(points, active: list[int], ridge: float) -> list[float]:
+    """Solve the normal equations over the `active` features (Gaussian elimination)."""
+    k = len(active)
+    a = [[0.0] * k for _ in range(k)]
+    b = [0.0] * k
+    for shape, seconds in points:
+        x = [f / seconds for f in shape.features()]  # relative error: each row scaled by 1/t
+        for i, fi in enumerate(active):
+            b[i] += x[fi]
+            for j, fj in enumerate(active):
+                a[i][j] += x[fi] * x[fj]
+    for i in range(k):
+        a[i][i] += ridge * (1.0 + a[i][i])
+    for col in range(k):  # elimination with partial pivoting
+        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        b[col], b[pivot] = b[pivot], b[col]
+        if abs(a[col][col]) < 1e-300:
+            continue
+        for r in range(col + 1, k):
+            f = a[r][col] / a[col][col]
+            for c in range(col, k):
+                a[r][c] -= f * a[col][c]
+            b[r] -= f * b[col]
+    solution = [0.0] * k
+    for r in range(k - 1, -1, -1):
+        if abs(a[r][r]) < 1e-300:
+            continue
+        solution[r] = (b[r] - sum(a[r][c] * solution[c] for c in range(r + 1, k))) / a[r][r]
+    coef = [0.0] * len(FEATURES)
+    for i, fi in enumerate(active):
+        coef[fi] = solution[i]
+    return coef

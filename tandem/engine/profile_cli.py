@@ -1,0 +1,73 @@
+"""`tandem profile [MODEL]`: time engine steps on this hardware over a grid of plan shapes,
+fit the step-latency cost model, report its error on held-out points, and save it as JSON
+for `tandem serve --cost-model FILE`."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+
+
+def add_parser(sub) -> None:
+    from tandem.engine.config import add_engine_args
+
+    p = sub.add_parser("profile", help="fit the step-latency cost model on this hardware")
+    p.add_argument("model", nargs="?", default=None, help="HF folder or .gguf (default: bundled)")
+    p.add_argument("--output", "-o", default="cost_model.json", help="where to save the model")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per point (the fastest counts)"
+    )
+    p.add_argument("--held-out", type=float, default=0.25, help="share of points kept to test")
+    add_engine_args(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tandem.core.cost_model import CostModel
+    from tandem.engine.builder import build_engine
+    from tandem.engine.config import engine_config_from_args
+    from tandem.runner.profile import ProfileGrid, profile_steps
+
+    if not 0 < args.held_out < 1:
+        raise ValueError(f"held_out must be in (0, 1), got {args.held_out}")
+    config = engine_config_from_args(args, args.model)
+    core, loaded = build_engine(config)
+    print(f"profiling {loaded.model_path.name} ({loaded.dtype} on {loaded.device})")
+    print(f"{'prefill':>8} {'decodes':>8} {'kv tokens':>10} {'ms':>9}")
+    points = profile_steps(
+        core,
+        ProfileGrid(),
+        args.repeats,
+        lambda s, t: print(
+            f"{s.prefill_tokens:>8} {s.decode_rows:>8} {s.kv_tokens:>10} {t * 1e3:>9.2f}"
+        ),
+    )
+    rng = random.Random(0)
+    shuffled = rng.sample(points, len(points))
+    cut = max(1, int(len(points) * args.held_out))
+    test, train = shuffled[:cut], shuffled[cut:]
+    held_out_error = CostModel.fit(train).mean_abs_error(test)
+    final = CostModel.fit(points)
+    info = {
+        "model": str(loaded.model_path),
+        "dtype": str(loaded.dtype).replace("torch.", ""),
+        "device": str(loaded.device),
+        "cpu": platform.processor() or platform.machine(),
+        "points": len(points),
+        "held_out_points": len(test),
+        "held_out_mean_abs_error": held_out_error,
+        "fit_mean_abs_error": final.mean_abs_error(points),
+    }
+    final = CostModel(final.coef, info)
+    final.save(args.output)
+    c = final.coef
+    print(
+        f"step = {c[0] * 1e3:.3f} ms + {c[1] * 1e6:.2f} us/prefill token + "
+        f"{c[2] * 1e3:.3f} ms/decode row + {c[3] * 1e9:.2f} ns/KV token read + "
+        f"{c[4] * 1e9:.2f} ns/chunk KV entry"
+    )
+    print(
+        f"held-out mean absolute error: {held_out_error:.1%} on {len(test)} of {len(points)} points"
+    )
+    print(f"saved to {args.output}")
+    return 0

@@ -1,0 +1,80 @@
+"""Measure engine steps on this hardware over a grid of plan shapes, for the cost model.
+
+Each point is a real plan run by the real runner: one prefill chunk of P tokens (after C_p
+tokens of context) beside D decode rows at context C_d. The KV the rows read is whatever the
+pool holds (timing does not depend on it); blocks come from the engine's own KV manager and
+go back after each point.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from tandem.core.cost_model import StepShape
+from tandem.core.request import Request
+from tandem.core.sampling_params import SamplingParams
+from tandem.core.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class ProfileGrid:
+    prefill_tokens: tuple[int, ...] = (0, 32, 128, 256, 512)
+    prefill_context: tuple[int, ...] = (0, 512)
+    decode_rows: tuple[int, ...] = (0, 1, 8, 32)
+    decode_context: tuple[int, ...] = (64, 512)
+
+    def points(self):
+        for p, cp, d, cd in itertools.product(
+            self.prefill_tokens, self.prefill_context, self.decode_rows, self.decode_context
+        ):
+            if (p or d) and not (p == 0 and cp) and not (d == 0 and cd != self.decode_context[0]):
+                yield p, cp, d, cd
+
+
+def profile_steps(core, grid: ProfileGrid, repeats: int = 3, on_point=None):
+    """[(shape, seconds)] for every grid point that fits the pool and max_model_len."""
+    kv, limit = core.scheduler.kv, core.scheduler.config.max_model_len
+    ids = itertools.count()
+    results = []
+    for p, cp, d, cd in grid.points():
+        if cp + p >= limit or cd + 1 >= limit:
+            continue
+        rows = [_decode_row(next(ids), cd) for _ in range(d)]
+        if p:
+            rows.append(_prefill_row(next(ids), cp, p))
+        if not all(kv.allocate_slots(s.request, s.start + s.num_new_tokens) for s in rows):
+            for s in rows:
+                kv.free(s.request)
+            continue
+        plan = SchedulerOutput(scheduled=rows)
+        core.runner.execute(plan)  # warm-up
+        seconds = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            core.runner.execute(plan)
+            seconds.append(time.perf_counter() - t0)
+        for s in rows:
+            kv.free(s.request)
+        # The fastest run: on a shared machine, noise only ever adds time.
+        point = (StepShape.of(rows), min(seconds))
+        results.append(point)
+        if on_point is not None:
+            on_point(*point)
+    return results
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i) % 1000 + 10 for i in range(n)]
+
+
+def _decode_row(i: int, context: int) -> ScheduledRequest:
+    req = Request(f"d{i}", _tokens(i, context), SamplingParams(temperature=0, max_tokens=2))
+    req.append_token(11)  # one output token so far: the row decodes the next
+    return ScheduledRequest(req, context, 1, True)
+
+
+def _prefill_row(i: int, context: int, n: int) -> ScheduledRequest:
+    req = Request(f"p{i}", _tokens(i, context + n), SamplingParams(temperature=0, max_tokens=1))
+    return ScheduledRequest(req, context, n, True)

@@ -1,0 +1,253 @@
+"""Priority and SLO-aware scheduling, and the cost model that drives it: a fake clock that
+advances by the cost model's prediction for each plan, no model, no torch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tandem.core.cost_model import CostModel, OnlineCostModel, StepShape
+from tandem.core.policy import FCFSBatch, PriorityBatch
+from tandem.core.request import RequestStatus
+from tandem.core.slo import SLOClass
+from tandem.core.slo_policy import SLOBatch, SLOPolicyConfig
+from tests.core.harness import EOS, Harness
+
+# 10 ms a step, 1 ms per prefill token, 2 ms per decode row, nothing per KV entry read
+COST = CostModel((0.010, 0.001, 0.002, 0.0, 0.0))
+INTERACTIVE = SLOClass("interactive", priority=0, ttft_ms=300, tpot_ms=60, on_overload="shed")
+BATCH = SLOClass("batch", priority=1, ttft_ms=60_000, tpot_ms=1_000, on_overload="demote")
+
+
+_tokens = iter(range(1000, 10**9))
+
+
+def _p(n: int) -> list[int]:
+    """A prompt of n tokens no other prompt shares (so the prefix cache stays out of it)."""
+    return [next(_tokens) for _ in range(n)]
+
+
+def policies():
+    return {"fcfs": FCFSBatch(), "priority": PriorityBatch(), "slo": SLOBatch(COST)}
+
+
+def _harness(policy, batch=None, **kw) -> Harness:
+    kw = {"num_blocks": 256, "block_size": 4, "max_num_batched_tokens": 512, **kw}
+    return Harness(batch=batch or policies()[policy], cost_model=COST, **kw)
+
+
+def _ttft(h: Harness, req, max_steps: int = 2000) -> float:
+    """Step until req has its first token; the time it took since it arrived."""
+    for _ in range(max_steps):
+        if req.num_output_tokens or req.is_finished:
+            break
+        h.step()
+    assert req.num_output_tokens, f"{req} got no token"
+    return req.last_token_time - req.arrival_time
+
+
+# ---- the cost model ---------------------------------------------------------------
+def test_fit_recovers_known_coefficients():
+    true = CostModel((0.004, 0.0003, 0.0015, 0.000002, 0.0000005))
+    rng = random.Random(0)
+    points = []
+    for _ in range(200):
+        n = rng.randrange(0, 2048)
+        shape = StepShape(
+            n, rng.randrange(0, 64), rng.randrange(0, 60_000), rng.randrange(0, n * n + 1)
+        )
+        points.append((shape, true.predict(shape) * (1 + rng.uniform(-0.01, 0.01))))
+    fitted = CostModel.fit(points)
+    for got, want in zip(fitted.coef, true.coef):
+        assert got == pytest.approx(want, rel=0.05)
+    assert fitted.mean_abs_error(points) < 0.01
+
+
+def test_fit_never_returns_a_negative_cost():
+    points = [(StepShape(n, 0, 0), 0.01) for n in (0, 100, 200)]  # prefill costs nothing
+    assert all(c >= 0 for c in CostModel.fit(points).coef)
+
+
+def test_cost_model_round_trips_through_a_file(tmp_path):
+    model = CostModel((0.01, 0.001, 0.002, 1e-6, 2e-6), {"model": "tiny"})
+    model.save(tmp_path / "cost.json")
+    assert CostModel.load(tmp_path / "cost.json") == model
+    (tmp_path / "bad.json").write_text('{"coef": [1]}')
+    with pytest.raises(ValueError, match="cost_model"):
+        CostModel.load(tmp_path / "bad.json")
+
+
+def test_online_model_learns_from_observed_steps():
+    online = OnlineCostModel(CostModel((1.0, 0.0, 0.0, 0.0, 0.0)), refit_every=16)
+    rng = random.Random(1)
+    for _ in range(64):
+        shape = StepShape(rng.randrange(0, 512), rng.randrange(0, 16), rng.randrange(0, 4096))
+        online.observe(shape, COST.predict(shape))
+    probe = StepShape(500, 4, 0)
+    assert online.predict(probe) == pytest.approx(COST.predict(probe), rel=1e-3)
+
+
+def test_plan_shape_counts_prefill_tokens_decode_rows_and_context():
+    h = _harness("fcfs")
+    a = h.add(_p(10), max_tokens=3)
+    plan, _ = h.step()
+    assert StepShape.of(plan.scheduled) == StepShape(10, 0, 0, 55)  # token i reads i + 1 entries
+    b = h.add(_p(6), max_tokens=3)
+    plan, _ = h.step()
+    assert {s.request for s in plan.scheduled} == {a, b}
+    assert StepShape.of(plan.scheduled) == StepShape(6, 1, 10, 21)  # a's decode reads 10
+
+
+# ---- priority -----------------------------------------------------------------------
+def test_priority_serves_the_urgent_class_first():
+    h = _harness("priority", max_num_batched_tokens=16)
+    low = h.add(_p(32), priority=1)
+    high = h.add(_p(8), priority=0)
+    plan, _ = h.step()
+    assert [s.request for s in plan.scheduled] == [high, low]
+    assert plan.num_scheduled_tokens == {high.request_id: 8, low.request_id: 8}
+
+
+def test_a_waiting_urgent_request_preempts_a_lower_class_when_blocks_are_short():
+    h = _harness("priority", num_blocks=9)  # 8 usable blocks of 4 tokens
+    low = h.add(_p(24), max_tokens=8, priority=5)  # 6 blocks
+    h.step()
+    high = h.add(_p(12), max_tokens=2, priority=0)  # needs 3 more than the 2 left
+    plan, _ = h.step()
+    assert plan.preempted_ids == [low.request_id]
+    assert low.status == RequestStatus.PREEMPTED and not low.block_ids
+    assert high in [s.request for s in plan.scheduled]
+    h.run_to_completion()  # the victim recomputes (from its cached prefix) and finishes
+    assert low.num_output_tokens == 8 and high.num_output_tokens == 2
+    h.assert_pool_whole()
+
+
+def test_fcfs_never_preempts_for_a_waiting_request():
+    h = _harness("fcfs", num_blocks=9)
+    low = h.add(_p(24), max_tokens=8, priority=5)
+    h.step()
+    high = h.add(_p(12), max_tokens=2, priority=0)
+    plan, _ = h.step()
+    assert not plan.preempted_ids and high not in [s.request for s in plan.scheduled]
+    assert low.status == RequestStatus.RUNNING
+
+
+# ---- SLO ------------------------------------------------------------------------------
+def test_slo_meets_an_interactive_ttft_behind_a_burst_of_long_prompts_where_fcfs_does_not():
+    ttfts = {}
+    for policy in ("fcfs", "slo"):
+        h = _harness(policy)
+        for _ in range(6):
+            h.add(_p(400), max_tokens=4, slo=BATCH, priority=1)  # 2.4 s of prefill
+        h.step()
+        chat = h.add(_p(16), max_tokens=4, slo=INTERACTIVE)
+        ttfts[policy] = _ttft(h, chat)
+        h.run_to_completion()
+        h.assert_pool_whole()
+    assert ttfts["slo"] <= INTERACTIVE.ttft_ms / 1000 < ttfts["fcfs"]
+
+
+def test_slo_keeps_predicted_steps_inside_the_tightest_running_tpot():
+    h = _harness("slo")
+    chats = [h.add(_p(8), max_tokens=200, slo=INTERACTIVE) for _ in range(4)]
+    h.step()
+    limit = INTERACTIVE.tpot_ms / 1000 * SLOPolicyConfig().tpot_margin
+    for _ in range(3):
+        h.add(_p(400), max_tokens=2, slo=BATCH, priority=1)
+    for _ in range(60):
+        plan, _ = h.step()
+        shape = StepShape.of(plan.scheduled)
+        floor = COST.predict(StepShape(SLOPolicyConfig().min_prefill_tokens, 4, 0))
+        assert COST.predict(shape) <= max(limit, floor) + 1e-9
+    assert all(c.num_output_tokens > 50 for c in chats)
+    batch_done = [r for r in h.sched.running if r.slo is BATCH]
+    assert not h.sched.num_waiting or batch_done  # the prompts progress meanwhile
+
+
+def test_a_hopeless_interactive_request_is_shed_and_a_batch_one_demoted():
+    h = _harness("slo", max_num_batched_tokens=64)
+    for _ in range(4):
+        h.add(_p(400), max_tokens=2, slo=BATCH, priority=1)
+    late = [
+        h.add(_p(200), max_tokens=2, slo=INTERACTIVE) for _ in range(3)
+    ]  # 200 ms of prefill each
+    shed = []
+    for _ in range(40):
+        plan, _ = h.step()
+        shed += plan.shed
+    assert shed and all(r.status == RequestStatus.FINISHED_SHED for r in shed)
+    assert set(shed) <= set(late)
+    assert all(r.finish_reason == "shed" for r in shed)
+    h.run_to_completion()
+    h.assert_pool_whole()
+
+    h = _harness("slo", max_num_batched_tokens=64)
+    tight_batch = SLOClass("batch", priority=1, ttft_ms=50, on_overload="demote")
+    reqs = [h.add(_p(300), max_tokens=2, slo=tight_batch, priority=1) for _ in range(3)]
+    h.step()
+    demoted = [r for r in reqs if r.priority > 1]
+    assert demoted and all(r.slo.ttft_ms is None for r in demoted)
+    h.run_to_completion()
+    assert all(r.status == RequestStatus.FINISHED_LENGTH for r in reqs)  # served, best effort
+
+
+def test_aging_never_starves_a_lower_class():
+    h = _harness("slo", SLOBatch(COST, SLOPolicyConfig(aging_s=1.0)),
+                 max_num_batched_tokens=32, num_blocks=512)  # fmt: skip
+    starving = h.add(_p(64), max_tokens=2, slo=BATCH, priority=1)
+    for _ in range(400):  # a high class that alone could fill every step
+        if len(h.sched.waiting) < 4:
+            h.add(_p(32), max_tokens=1, slo=SLOClass("hi", priority=0))
+        h.step()
+        if starving.is_finished:
+            break
+    assert starving.is_finished
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "slo"])
+@pytest.mark.parametrize("seed", range(4))
+def test_no_block_leaks_under_any_policy(policy, seed):
+    rng = random.Random(seed)
+    h = _harness(policy, num_blocks=rng.randint(16, 48), max_num_batched_tokens=rng.randint(8, 64),
+                 max_num_seqs=rng.randint(2, 8))  # fmt: skip
+    classes = [INTERACTIVE, BATCH, SLOClass("plain")]
+    live = []
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.3:
+            cls = rng.choice(classes)
+            n = rng.randint(1, 30)
+            budget = h.sched.max_request_tokens - n
+            if budget >= 1:
+                prompt = [rng.randrange(3, 60) for _ in range(n)]
+                live.append(h.add(prompt, max_tokens=rng.randint(1, min(budget, 12)), slo=cls,
+                                  priority=cls.priority))  # fmt: skip
+        elif op < 0.38 and live:
+            h.sched.finish_requests([rng.choice(live).request_id], RequestStatus.FINISHED_ABORTED)
+        else:
+            h.next_token = EOS if rng.random() < 0.1 else rng.randrange(3, 60)
+            h.step()  # checks invariants and that every request reads its own KV
+        live = [r for r in live if not r.is_finished]
+    h.run_to_completion()
+    h.assert_pool_whole()
+
+
+@pytest.mark.parametrize("policy", ["priority", "slo"])
+def test_the_same_stream_gives_the_same_schedule(policy):
+    def run():
+        rng = random.Random(7)
+        h = _harness(policy, num_blocks=40, max_num_batched_tokens=48)
+        plans = []
+        for _ in range(120):
+            if rng.random() < 0.3:
+                cls = rng.choice([INTERACTIVE, BATCH])
+                h.add(rng.randint(4, 60), max_tokens=rng.randint(1, 8), slo=cls,
+                      priority=cls.priority)  # fmt: skip
+            plan, _ = h.step()
+            plans.append(
+                [(s.request.request_id, s.start, s.num_new_tokens) for s in plan.scheduled]
+            )
+        return plans
+
+    assert run() == run()
