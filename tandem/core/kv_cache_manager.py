@@ -83,11 +83,12 @@ class KVCacheManager:
 
     # ---- allocation ------------------------------------------------------------
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, prefix: list[Node] = ()
+        self, request: Request, num_new_tokens: int, prefix: list[Node] = (), publish: bool = True
     ) -> bool:
         """Give the request room for num_new_tokens more tokens, after adopting `prefix`
         (cached blocks from match_prefix) if it has none yet. False, changing nothing, when
-        the pool is short.
+        the pool is short. With publish=False the new full blocks stay out of the radix tree
+        until `publish` (their KV is still to arrive from elsewhere).
 
             |<------------------ blocks after the call ------------------->|
             |<- prefix ->|<- request.block_ids[len(prefix):] ->|<- new ->|
@@ -111,8 +112,14 @@ class KVCacheManager:
         if self.cache is not None:
             if prefix:
                 self._cursors[request.request_id] = _InsertCursor(prefix[-1], len(prefix))
-            self._insert_full_blocks(request, num_computed + num_new_tokens)
+            if publish:
+                self._insert_full_blocks(request, num_computed + num_new_tokens)
         return True
+
+    def publish(self, request: Request, num_tokens: int) -> None:
+        """The KV of the request's first num_tokens is in place: let others match it."""
+        if self.cache is not None:
+            self._insert_full_blocks(request, num_tokens)
 
     def _take(self, n: int) -> list[int]:
         short = n - self.pool.num_free

@@ -10,6 +10,7 @@ from tandem.core.slo import DEFAULT_CLASS, SLOClass
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # reserved: its prompt's KV arrives from another instance
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"

@@ -6,8 +6,10 @@ A runner computes exactly the plan it is given and never decides what runs. The 
 (tandem/runner) does it with a model and KV tensors; a simulated runner advances a virtual
 clock by the cost model's step time; tests script one. The loop cannot tell them apart.
 
-Prefill/decode disaggregation will add two methods beside `execute`: export and import the KV
-of a token range to and from block ids, in a layout-neutral form.
+A runner that takes part in prefill/decode disaggregation also implements `KVTransferRunner`:
+export and import the KV of a token range to and from block ids, in a layout-neutral form
+([layers, 2, tokens, kv_heads, head_dim]), so instances that differ in block size or dtype
+interoperate. The engine loop passes that object along without looking inside.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # only rows that asked
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, for benchmarks
+
+
+class KVTransferRunner(Protocol):
+    def export_kv(self, block_ids: list[int], start: int, end: int): ...
+
+    def import_kv(self, block_ids: list[int], start: int, kv) -> None: ...
 
 
 class Runner(Protocol):

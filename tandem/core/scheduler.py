@@ -96,6 +96,7 @@ class Scheduler:
         self.cost_model = cost_model  # predicts step seconds (core/cost_model.py), if any
         self.waiting = self.batch.new_queue()
         self.running: list[Request] = []
+        self.reserved: dict[str, Request] = {}  # waiting for their KV (reserve / commit)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
@@ -144,7 +145,7 @@ class Scheduler:
                 continue
             if request in self.running:
                 self.running.remove(request)
-            else:
+            elif self.reserved.pop(rid, None) is None:
                 self.waiting.remove(request)
             self._finish(request, status)
             done.append(request)
@@ -159,7 +160,56 @@ class Scheduler:
         return len(self.waiting)
 
     def has_unfinished(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.reserved)
+
+    # ---- KV from elsewhere (prefill/decode disaggregation) -----------------------------
+    def reserve(self, request: Request) -> int | None:
+        """Take a request whose prompt KV another instance computes: match its prompt in the
+        radix cache, and allocate blocks for the rest without publishing them (no request may
+        match KV that has not arrived). Returns how many prompt tokens are already held here
+        (the sender sends the rest), or None when there is no room (batch slots or blocks).
+
+            |<----------------- prompt ------------------>|
+            |<- num_cached: held here ->|<- to receive ->|
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.check_request(request.num_prompt_tokens, request.max_tokens)
+        if len(self.running) + len(self.reserved) >= self.config.max_num_seqs:
+            return None
+        prefix = self.kv.match_prefix(request)
+        num_cached = len(prefix) * self.kv.block_size
+        if not self.kv.allocate_slots(request, request.num_tokens - num_cached, prefix, False):
+            return None
+        if request.max_tokens is None:
+            request.max_tokens = self.config.max_model_len - request.num_prompt_tokens
+        request.num_computed_tokens = request.num_cached_tokens = num_cached
+        request.first_scheduled_time = self.clock()
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.kv.record_lookup(request.num_prompt_tokens, num_cached)
+        self.requests[request.request_id] = self.reserved[request.request_id] = request
+        return num_cached
+
+    def commit(self, request_id: str, first_token: int) -> Request:
+        """The prompt's KV has arrived, and the token the sender sampled after it: publish the
+        blocks and run the request from its next token. It may finish right here (the token
+        is EOS, or max_tokens is 1); check `is_finished`."""
+        req = self.reserved.pop(request_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.publish(req, req.num_prompt_tokens)
+        req.append_token(first_token)
+        req.last_token_time = self.clock()
+        status = stop_status(req, self.config.max_model_len)
+        if status is not None:
+            self._finish(req, status)
+        else:
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        return req
+
+    def release(self, request_id: str) -> None:
+        """Give up a reservation (the transfer failed or timed out); its blocks go back."""
+        self.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
 
     # ---- the step --------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -283,7 +333,7 @@ class Scheduler:
         self._finished_ids.append(req.request_id)
 
     def check_invariants(self) -> None:
-        live = list(self.running) + list(self.waiting)
+        live = list(self.running) + list(self.waiting) + list(self.reserved.values())
         assert len(live) == len(self.requests), "a request is lost or counted twice"
         assert all(r.request_id in self.requests for r in live)
         assert len(self.running) <= self.config.max_num_seqs
@@ -292,4 +342,7 @@ class Scheduler:
         for r in self.running:
             assert r.status == RequestStatus.RUNNING
             assert len(r.block_ids) >= self.kv.blocks_for(r.num_computed_tokens)
-        self.kv.check_invariants(self.running)
+        for r in self.reserved.values():
+            assert r.status == RequestStatus.WAITING_FOR_KV
+            assert len(r.block_ids) == self.kv.blocks_for(r.num_prompt_tokens)
+        self.kv.check_invariants([*self.running, *self.reserved.values()])

@@ -42,14 +42,16 @@ class EngineCore:
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
+        self.scheduler.add_request(self._request(req))
+        self.stalled = False
+
+    def _request(self, req: EngineCoreRequest) -> Request:
         params = req.sampling_params
         params.eos_token_ids = self.eos_token_ids
         slo = req.slo.with_targets(params.ttft_ms, params.tpot_ms, req.priority)
-        request = Request(
+        return Request(
             req.request_id, req.prompt_token_ids, params, req.arrival_time, req.priority, slo
         )
-        self.scheduler.add_request(request)
-        self.stalled = False
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -84,25 +86,26 @@ class EngineCore:
             token = result.sampled.get(req.request_id)
             if token is None:
                 continue
-            outputs.append(
-                EngineCoreOutput(
-                    request_id=req.request_id,
-                    new_token_ids=[token],
-                    logprobs=result.logprobs.get(req.request_id),
-                    finish_reason=req.finish_reason,
-                    stop_reason=req.stop_reason,
-                    num_cached_tokens=req.num_cached_tokens,
-                    first_scheduled_time=req.first_scheduled_time
-                    if req.num_output_tokens == 1
-                    else None,
-                )
-            )
+            outputs.append(self._output(req, token, result.logprobs.get(req.request_id)))
         self.last_step_timings = {
             "schedule": t1 - t0,
             **(result.timings or {"execute": t2 - t1}),  # the runner's phases, if it has them
             "update": self.clock() - t2,
         }
         return outputs
+
+    @staticmethod
+    def _output(req: Request, token: int, logprobs) -> EngineCoreOutput:
+        first = req.num_output_tokens == 1
+        return EngineCoreOutput(
+            request_id=req.request_id,
+            new_token_ids=[token],
+            logprobs=logprobs,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            num_cached_tokens=req.num_cached_tokens,
+            first_scheduled_time=req.first_scheduled_time if first else None,
+        )
 
     def _execute_one_by_one(self, plan: SchedulerOutput) -> tuple[RunnerOutput, dict[str, str]]:
         """After a failed step, run its requests one at a time, so the one that breaks the
@@ -132,6 +135,35 @@ class EngineCore:
             )
             for r in failed
         ]
+
+    # ---- KV from or for another instance (prefill/decode disaggregation) ---------------
+    def reserve(self, req: EngineCoreRequest) -> int | None:
+        """Admit a request whose prompt KV another instance sends: how many prompt tokens
+        are held here already (send the rest), or None when there is no room."""
+        request = self._request(req)
+        num_cached = self.scheduler.reserve(request)
+        self.stalled = False
+        return num_cached
+
+    def receive_kv(self, request_id: str, start: int, kv) -> None:
+        """KV of the reserved request's positions from `start` (the runner's format)."""
+        req = self.scheduler.reserved[request_id]
+        self.runner.import_kv(req.block_ids, start, kv)
+
+    def commit(self, request_id: str, first_token: int) -> list[EngineCoreOutput]:
+        """All of the prompt's KV is here: decode on from the token the sender sampled."""
+        req = self.scheduler.commit(request_id, first_token)
+        self.stalled = False
+        return [self._output(req, first_token, None)]
+
+    def release(self, request_id: str) -> None:
+        self.scheduler.release(request_id)
+        self.stalled = False
+
+    def export_kv(self, request_id: str, start: int, end: int):
+        """KV of a running request's positions [start, end), for another instance."""
+        req = self.scheduler.requests[request_id]
+        return self.runner.export_kv(req.block_ids, start, end)
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv

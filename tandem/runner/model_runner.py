@@ -14,6 +14,7 @@ from tandem.model import kernels
 from tandem.model.attention import attention_fn, forward_context
 from tandem.model.packed_linear import pack_linears, packing_available
 from tandem.runner.input_batch import prepare_inputs
+from tandem.runner.kv_transfer import export_kv, import_kv
 from tandem.runner.sampler import Sampler
 
 
@@ -40,6 +41,15 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
             attn.attend, attn.decode_kernel = attend, decode_kernel
         self.sampler = Sampler(seed, device)
+
+    # ---- KV of a token range, layout-neutral (prefill/decode disaggregation) ---------------
+    def export_kv(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """[layers, 2, tokens, kv_heads, head_dim] of positions [start, end), on the CPU."""
+        return export_kv(self.kv_cache, block_ids, start, end)
+
+    def import_kv(self, block_ids: list[int], start: int, kv: torch.Tensor) -> None:
+        """Write KV from another instance (any block size, any float dtype) from `start`."""
+        import_kv(self.kv_cache, block_ids, start, kv)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:

@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: the KV wire format and transport."""
