@@ -1,0 +1,135 @@
+"""Moving KV between instances: a sender (the prefill side) and a receiver (the decode side)
+over ZeroMQ, one message per layer in the wire format of wire.py.
+
+    sender.send(address, request_id, start, kv)      # kv: [layers, 2, tokens, heads, dim]
+    done = receiver.poll(on_layer, timeout_ms)       # each layer handed over as it lands;
+                                                     # (request_id, start) once all are in
+    receiver.expire(older_than_s)                    # transfers that stalled
+
+TCP now; the interface (send the KV of a token range with a request id; receive whole
+requests; give up on stalled ones) is what an RDMA transport (Mooncake's transfer engine,
+NIXL) would implement too. Layers of different requests may interleave.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from tandem.disagg.wire import decode_layer, encode_layer
+
+
+class KVSender:
+    def __init__(self, context: zmq.Context | None = None, linger_ms: int = 5000) -> None:
+        self.context = context or zmq.Context.instance()
+        self.linger_ms = linger_ms
+        self._sockets: dict[str, zmq.Socket] = {}
+        self.bytes_sent = 0
+
+    def send(self, address: str, request_id: str, start: int, kv: torch.Tensor) -> int:
+        """Queue every layer of kv ([layers, 2, tokens, kv_heads, head_dim], on the CPU) for
+        `address`; returns the tensor bytes sent. The frames are not copied."""
+        sock = self._socket(address)
+        num_layers, sent = kv.shape[0], 0
+        for layer in range(num_layers):
+            frames = encode_layer(request_id, layer, num_layers, start, kv[layer, 0], kv[layer, 1])
+            sock.send_multipart(frames, copy=False)
+            sent += frames[1].nbytes + frames[2].nbytes
+        self.bytes_sent += sent
+        return sent
+
+    def _socket(self, address: str) -> zmq.Socket:
+        sock = self._sockets.get(address)
+        if sock is None:
+            sock = self._sockets[address] = self.context.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, self.linger_ms)
+            sock.connect(address)
+        return sock
+
+    def close(self) -> None:
+        for sock in self._sockets.values():
+            sock.close()
+        self._sockets.clear()
+
+
+@dataclass
+class _Progress:
+    num_layers: int
+    start: int
+    first_seen: float
+    layers: set[int] = field(default_factory=set)
+
+
+class KVReceiver:
+    def __init__(self, address: str, context: zmq.Context | None = None) -> None:
+        """address: where to listen, e.g. tcp://127.0.0.1:0 (0: any free port)."""
+        self.context = context or zmq.Context.instance()
+        self.socket = self.context.socket(zmq.PULL)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(address)
+        self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._progress: dict[str, _Progress] = {}
+        self.bytes_received = 0
+
+    def poll(self, on_layer, timeout_ms: int = 0) -> list[tuple[str, int]]:
+        """Take every message that has arrived (waiting up to timeout_ms for the first),
+        handing each layer to on_layer(request_id, layer, start, k, v) as it comes (the
+        decode engine writes it straight into its paged cache; k and v are views of the
+        received frame, valid during the call). Returns (request_id, start) of the requests
+        whose layers are now all in."""
+        done = []
+        if not self.socket.poll(timeout_ms):
+            return done
+        while True:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return done
+            header, k, v = decode_layer([f.buffer for f in frames])
+            self.bytes_received += 2 * k.numel() * k.element_size()
+            progress = self._progress.setdefault(
+                header.request_id, _Progress(header.num_layers, header.start, time.monotonic())
+            )
+            on_layer(header.request_id, header.layer, header.start, k, v)
+            progress.layers.add(header.layer)
+            if len(progress.layers) == progress.num_layers:
+                del self._progress[header.request_id]
+                done.append((header.request_id, progress.start))
+
+    def expire(self, older_than_s: float) -> list[str]:
+        """Drop transfers whose first layer came more than older_than_s ago and that are
+        still incomplete (the sender died or stalled); return their request ids."""
+        cutoff = time.monotonic() - older_than_s
+        stale = [rid for rid, p in self._progress.items() if p.first_seen < cutoff]
+        for rid in stale:
+            del self._progress[rid]
+        return stale
+
+    def forget(self, request_id: str) -> None:
+        """The request was aborted or released: stop tracking what arrived of it."""
+        self._progress.pop(request_id, None)
+
+    @property
+    def num_partial(self) -> int:
+        return len(self._progress)
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+class Assembler:
+    """An on_layer that gathers each request's layers into one [layers, 2, tokens, kv_heads,
+    head_dim] tensor (for tests and tools; the engine imports layers in place instead)."""
+
+    def __init__(self) -> None:
+        self._layers: dict[str, list[tuple[int, torch.Tensor]]] = {}
+
+    def __call__(self, request_id: str, layer: int, start: int, k, v) -> None:
+        self._layers.setdefault(request_id, []).append((layer, torch.stack([k, v])))  # copied
+
+    def take(self, request_id: str) -> torch.Tensor:
+        layers = sorted(self._layers.pop(request_id), key=lambda item: item[0])
+        return torch.stack([t for _, t in layers])
