@@ -183,10 +183,8 @@ class Scheduler:
             return None
         if request.max_tokens is None:
             request.max_tokens = self.config.max_model_len - request.num_prompt_tokens
-        request.num_computed_tokens = request.num_cached_tokens = num_cached
-        request.first_scheduled_time = self.clock()
+        self._start(request, num_cached)
         request.status = RequestStatus.WAITING_FOR_KV
-        self.kv.record_lookup(request.num_prompt_tokens, num_cached)
         self.requests[request.request_id] = self.reserved[request.request_id] = request
         return num_cached
 
@@ -271,16 +269,20 @@ class Scheduler:
                 return False
             self._preempt_for(out, victim, budget, unscheduled)
         self.waiting.remove(req)
-        if req.num_preemptions == 0:
-            req.num_cached_tokens = num_cached
-            req.first_scheduled_time = self.clock()
-            self.kv.record_lookup(req.num_prompt_tokens, num_cached)
-        req.num_computed_tokens = num_cached
+        self._start(req, num_cached)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         out.scheduled.append(ScheduledRequest.of(req, num_cached, n))
         budget.spend(req, num_cached, n)
         return True
+
+    def _start(self, req: Request, num_cached: int) -> None:
+        """The request holds blocks from now on, the first num_cached of them cached."""
+        if req.num_preemptions == 0:  # a recompute after preemption is not a new lookup
+            req.num_cached_tokens = num_cached
+            req.first_scheduled_time = self.clock()
+            self.kv.record_lookup(req.num_prompt_tokens, num_cached)
+        req.num_computed_tokens = num_cached
 
     def _preempt_for(self, out, victim: Request, budget: StepBudget, unscheduled) -> None:
         unscheduled.remove(victim)

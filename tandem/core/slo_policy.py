@@ -3,9 +3,10 @@
 In the spirit of xLLM's SLO-aware dynamic batching. Every step:
 1. shed or demote (as each request's class says) waiting requests whose TTFT target can no
    longer be met, even if their prompt ran at once;
-2. set the step's latency limit from the tightest TPOT among running requests (optionally
-   capped at `max_step_s`), predicted with the cost model (`TimeBudget`): every running
-   decode is in, and prefill chunks get what keeps the predicted step inside the limit;
+2. set the step's latency limit from the tightest TPOT among running requests, and at most
+   half the tightest TTFT target in the system (`ttft_step_share`: a request arriving
+   mid-step waits for the step in flight), predicted with the cost model (`TimeBudget`): every
+   running decode is in, and prefill chunks get what keeps the predicted step inside it;
 3. order candidates by class (priority, raised one class per `aging_s` of waiting, so a
    lower class is never starved), decodes before prefills within a class, then by slack to
    their deadline (TTFT for a prompt, the next token's TPOT deadline for a decode);
@@ -37,6 +38,9 @@ class SLOPolicyConfig:
     # for the step in flight. Off by default: measured, a 250 ms cap cost ~20% of throughput
     # at saturation for no attainment gain (docs/scheduling.md).
     max_step_s: float | None = None
+    # While requests with a TTFT target are in the system, no step runs longer than this
+    # share of the tightest such target: one that arrives mid-step still has time after it.
+    ttft_step_share: float | None = 0.5
 
 
 class SLOBatch(PriorityBatch):
@@ -77,6 +81,10 @@ class SLOBatch(PriorityBatch):
         limits = [t / 1000 * self.config.tpot_margin for t in targets]
         if self.config.max_step_s is not None:
             limits.append(self.config.max_step_s)
+        share = self.config.ttft_step_share
+        ttfts = [r.slo.ttft_ms for r in (*sched.running, *sched.waiting) if r.slo.ttft_ms]
+        if share is not None and ttfts:
+            limits.append(min(ttfts) / 1000 * share)
         limit = min(limits, default=math.inf)
         now = sched.clock()
 
