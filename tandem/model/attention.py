@@ -14,6 +14,7 @@ gather: a C++ kernel (tandem/model/kernels) reads K and V through the block tabl
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,9 @@ class AttentionGroup:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: cache slot for each token's new K/V
     groups: list[AttentionGroup]
+    # Called with a layer's index once this step's K/V of that layer is in the cache, so a
+    # prefill instance can send each layer while the next ones compute.
+    on_layer_written: Callable[[int], None] | None = None
 
 
 _meta: AttentionMetadata | None = None
@@ -65,6 +69,7 @@ class PagedAttention(nn.Module):
         self.decode_kernel = None
         # [num_blocks, block_size, kv_heads, head_dim] each; bound by the runner.
         self.k_cache = self.v_cache = torch.empty(0)
+        self.layer_index = 0  # which layer of the model, set by the runner
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]
@@ -72,6 +77,8 @@ class PagedAttention(nn.Module):
         kvh, d = self.num_kv_heads, self.head_dim
         self.k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
         self.v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        if meta.on_layer_written is not None:
+            meta.on_layer_written(self.layer_index)
         outs = [self._attend_group(q[g.token_slice], g) for g in meta.groups]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 

@@ -39,8 +39,12 @@ class ModelRunner:
         )
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+            attn.layer_index = i
             attn.attend, attn.decode_kernel = attend, decode_kernel
         self.sampler = Sampler(seed, device)
+        # Told each layer's index once its K/V for the step is written (a prefill instance
+        # streams layers to the decode side with it); None: nobody listens.
+        self.on_layer_written = None
 
     # ---- KV of a token range, layout-neutral (prefill/decode disaggregation) ---------------
     def export_kv(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
@@ -58,6 +62,7 @@ class ModelRunner:
         if plan.is_empty:
             return RunnerOutput()
         inputs = prepare_inputs(plan.scheduled, self.block_size, self.device)
+        inputs.attn.on_layer_written = self.on_layer_written
         t1 = time.perf_counter()
         with forward_context(inputs.attn):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]

@@ -96,3 +96,24 @@ def test_the_wire_refuses_a_frame_of_the_wrong_size():
     frames = encode_layer("r", 0, 1, 0, torch.zeros(3, 2, 4), torch.zeros(3, 2, 4))
     with pytest.raises(ValueError, match="bytes"):
         decode_layer([frames[0], frames[1], b"short"])
+
+
+def test_each_layer_is_announced_once_its_kv_is_written(llama_path):
+    """The per-layer hook a prefill instance sends with: when layer i is announced, its KV
+    for this step is in the cache and layer i + 1's is not yet."""
+    llm = _engine(llama_path)
+    runner, seen = llm.engine.runner, []
+    prompt = [(3 * i + 1) % 300 + 5 for i in range(9)]
+    request = EngineCoreRequest("p", prompt, SamplingParams(max_tokens=2), arrival_time=0.0)
+    llm.engine.add_request(request)
+    blocks = lambda: llm.engine.scheduler.requests["p"].block_ids  # noqa: E731
+
+    def on_layer(i):
+        kv = runner.export_kv(blocks(), 0, len(prompt))  # [layers, 2, tokens, heads, dim]
+        seen.append((i, bool(kv[i].abs().sum() > 0), bool(kv[i + 1 :].abs().sum() > 0)))
+
+    runner.on_layer_written = on_layer
+    llm.engine.step()
+    runner.on_layer_written = None
+    layers = llm.model_config.num_layers
+    assert seen == [(i, True, False) for i in range(layers)]
