@@ -1,6 +1,6 @@
 """`tandem profile [MODEL]`: time engine steps on this hardware over a grid of plan shapes,
-fit the step-latency cost model, report its error on held-out points, and save it as JSON
-for `tandem serve --cost-model FILE`."""
+fit the step-latency cost model, report its error on held-out points (k-fold: each point
+predicted by a fit that never saw it), and save it as JSON for `tandem serve --cost-model`."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--repeats", type=int, default=3, help="timed runs per point (the fastest counts)"
     )
-    p.add_argument("--held-out", type=float, default=0.25, help="share of points kept to test")
+    p.add_argument("--folds", type=int, default=4, help="cross-validation folds (held-out error)")
     add_engine_args(p)
 
 
@@ -28,8 +28,10 @@ def run(args: argparse.Namespace) -> int:
     from tandem.engine.config import engine_config_from_args
     from tandem.runner.profile import ProfileGrid, profile_steps
 
-    if not 0 < args.held_out < 1:
-        raise ValueError(f"held_out must be in (0, 1), got {args.held_out}")
+    if args.folds < 2:
+        raise ValueError(f"folds must be >= 2, got {args.folds}")
+    if args.repeats < 2:
+        raise ValueError(f"repeats must be >= 2, got {args.repeats}")
     config = engine_config_from_args(args, args.model)
     core, loaded = build_engine(config)
     print(f"profiling {loaded.model_path.name} ({loaded.dtype} on {loaded.device})")
@@ -37,16 +39,20 @@ def run(args: argparse.Namespace) -> int:
     points = profile_steps(
         core,
         ProfileGrid(),
+        loaded.model_config.vocab_size,
         args.repeats,
         lambda s, t: print(
             f"{s.prefill_tokens:>8} {s.decode_rows:>8} {s.kv_tokens:>10} {t * 1e3:>9.2f}"
         ),
     )
-    rng = random.Random(0)
-    shuffled = rng.sample(points, len(points))
-    cut = max(1, int(len(points) * args.held_out))
-    test, train = shuffled[:cut], shuffled[cut:]
-    held_out_error = CostModel.fit(train).mean_abs_error(test)
+    # k-fold: each point is predicted once by a model that never saw it
+    shuffled = random.Random(0).sample(points, len(points))
+    folds = [shuffled[i :: args.folds] for i in range(args.folds)]
+    errors = []
+    for i, test in enumerate(folds):
+        train = [p for j, fold in enumerate(folds) if j != i for p in fold]
+        errors += [CostModel.fit(train).mean_abs_error([p]) for p in test]
+    held_out_error = sum(errors) / len(errors)
     final = CostModel.fit(points)
     info = {
         "model": str(loaded.model_path),
@@ -54,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         "device": str(loaded.device),
         "cpu": platform.processor() or platform.machine(),
         "points": len(points),
-        "held_out_points": len(test),
+        "folds": args.folds,
         "held_out_mean_abs_error": held_out_error,
         "fit_mean_abs_error": final.mean_abs_error(points),
     }
@@ -67,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
         f"{c[4] * 1e9:.2f} ns/chunk KV entry"
     )
     print(
-        f"held-out mean absolute error: {held_out_error:.1%} on {len(test)} of {len(points)} points"
+        f"held-out mean absolute error: {held_out_error:.1%} "
+        f"({args.folds}-fold over {len(points)} points)"
     )
     print(f"saved to {args.output}")
     return 0
