@@ -128,13 +128,17 @@ class Scheduler:
             )
 
     def add_request(self, request: Request) -> None:
+        self._intake(request)
+        self.requests[request.request_id] = request
+        self.waiting.push(request)
+
+    def _intake(self, request: Request) -> None:
+        """Refuse what could never run; resolve max_tokens=None to what max_model_len allows."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.check_request(request.num_prompt_tokens, request.max_tokens)
         if request.max_tokens is None:
             request.max_tokens = self.config.max_model_len - request.num_prompt_tokens
-        self.requests[request.request_id] = request
-        self.waiting.push(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests from outside the step (abort, stop string). Unknown ids are ignored."""
@@ -172,17 +176,13 @@ class Scheduler:
             |<----------------- prompt ------------------>|
             |<- num_cached: held here ->|<- to receive ->|
         """
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        self.check_request(request.num_prompt_tokens, request.max_tokens)
+        self._intake(request)
         if len(self.running) + len(self.reserved) >= self.config.max_num_seqs:
             return None
         prefix = self.kv.match_prefix(request)
         num_cached = len(prefix) * self.kv.block_size
         if not self.kv.allocate_slots(request, request.num_tokens - num_cached, prefix, False):
             return None
-        if request.max_tokens is None:
-            request.max_tokens = self.config.max_model_len - request.num_prompt_tokens
         self._start(request, num_cached)
         request.status = RequestStatus.WAITING_FOR_KV
         self.requests[request.request_id] = self.reserved[request.request_id] = request

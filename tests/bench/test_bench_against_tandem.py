@@ -5,7 +5,6 @@ server is down or refuses every request."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,21 +14,16 @@ import pytest
 from tandem.cli import main
 from tests.bench.scripted_server import ScriptedServer
 from tests.bench.test_cli import workload_args
+from tests.server.conftest import free_port
 
 KEY = "sk-bench"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def keyed_server(llama_path, tmp_path_factory):
     """Started, not waited for: the benchmark must do the waiting."""
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path_factory.mktemp("keyed") / "serve.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "serve", str(llama_path), "--host", "127.0.0.1",
@@ -67,7 +61,7 @@ def test_every_request_failing_exits_nonzero_with_the_errors(
 
 
 def test_a_server_that_is_down_is_an_error_not_a_table_of_zeros(llama_path, tmp_path, capsys):
-    rc = main(["bench", "serve", "--base-url", f"http://127.0.0.1:{_free_port()}",
+    rc = main(["bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}",
                "--ready-timeout", "1", *workload_args(llama_path, tmp_path, n=2)])  # fmt: skip
     assert rc != 0
     assert "did not answer" in capsys.readouterr().err
