@@ -1,4 +1,4 @@
-"""`tandem serve | generate | bench | profile`: each subcommand lives in its package and is imported
+"""`tandem serve | generate | bench | profile | proxy`: each subcommand lives in its package and is imported
 only when used, so `tandem --help` stays fast."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "serve": "tandem.server.cli",
     "bench": "tandem.bench.cli",
     "profile": "tandem.engine.profile_cli",
+    "proxy": "tandem.disagg.proxy_cli",
 }
 
 

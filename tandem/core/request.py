@@ -65,6 +65,9 @@ class Request:
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         self.last_token_time: float | None = None  # the scheduler's clock, at each new token
+        # Where a prefill instance sends this request's prompt KV (engine.messages.
+        # KVTransferParams); None for a request served here.
+        self.kv_transfer = None
 
     @property
     def num_tokens(self) -> int:

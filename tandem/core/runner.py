@@ -28,12 +28,19 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # only rows that asked
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, for benchmarks
+    # request id -> why it failed, for a runner that fails one request and computes the rest
+    # (a prefill instance whose decode side is unreachable); the engine finishes them.
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 class KVTransferRunner(Protocol):
     def export_kv(self, block_ids: list[int], start: int, end: int): ...
 
     def import_kv(self, block_ids: list[int], start: int, kv) -> None: ...
+
+    def export_layer(self, block_ids: list[int], layer: int, start: int, end: int): ...
+
+    def import_layer(self, block_ids: list[int], layer: int, start: int, k, v) -> None: ...
 
 
 class Runner(Protocol):

@@ -2,9 +2,15 @@
 over ZeroMQ, one message per layer in the wire format of wire.py.
 
     sender.send(address, request_id, start, kv)      # kv: [layers, 2, tokens, heads, dim]
-    done = receiver.poll(on_layer, timeout_ms)       # each layer handed over as it lands;
+    sender.send_layer(address, request_id, layer, num_layers, start, k, v)  # or one by one
+    sender.send_done(address, TransferDone(request_id, first_token))         # then the token
+    done = receiver.poll(on_layer, timeout_ms, on_done)  # each layer handed over as it lands;
                                                      # (request_id, start) once all are in
     receiver.expire(older_than_s)                    # transfers that stalled
+
+A send never blocks for long: a decode side that is not connected (dead, never started) or
+that stopped reading fails it within `send_timeout_ms` with KVSendError, so a prefill
+instance never holds KV for a peer that will not take it.
 
 TCP now; the interface (send the KV of a token range with a request id; receive whole
 requests; give up on stalled ones) is what an RDMA transport (Mooncake's transfer engine,
@@ -16,36 +22,77 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 import zmq
 
-from tandem.disagg.wire import decode_layer, encode_layer
+from tandem.disagg.wire import TransferDone, decode_done, decode_layer, encode_done, encode_layer
+
+
+class KVSendError(RuntimeError):
+    """The decode side did not take the KV in time (not connected, or not reading)."""
 
 
 class KVSender:
-    def __init__(self, context: zmq.Context | None = None, linger_ms: int = 5000) -> None:
+    def __init__(
+        self,
+        context: zmq.Context | None = None,
+        linger_ms: int = 5000,
+        send_timeout_ms: int = 2000,
+    ) -> None:
         self.context = context or zmq.Context.instance()
-        self.linger_ms = linger_ms
+        self.linger_ms, self.send_timeout_ms = linger_ms, send_timeout_ms
         self._sockets: dict[str, zmq.Socket] = {}
         self.bytes_sent = 0
 
     def send(self, address: str, request_id: str, start: int, kv: torch.Tensor) -> int:
         """Queue every layer of kv ([layers, 2, tokens, kv_heads, head_dim], on the CPU) for
         `address`; returns the tensor bytes sent. The frames are not copied."""
-        sock = self._socket(address)
-        num_layers, sent = kv.shape[0], 0
-        for layer in range(num_layers):
-            frames = encode_layer(request_id, layer, num_layers, start, kv[layer, 0], kv[layer, 1])
-            sock.send_multipart(frames, copy=False)
-            sent += frames[1].nbytes + frames[2].nbytes
+        num_layers = kv.shape[0]
+        return sum(
+            self.send_layer(address, request_id, i, num_layers, start, kv[i, 0], kv[i, 1])
+            for i in range(num_layers)
+        )
+
+    def send_layer(
+        self, address: str, request_id: str, layer: int, num_layers: int, start: int, k, v
+    ) -> int:
+        """Queue one layer's K and V ([tokens, kv_heads, head_dim], on the CPU)."""
+        frames = encode_layer(request_id, layer, num_layers, start, k, v)
+        self._send(address, frames)
+        sent = frames[1].nbytes + frames[2].nbytes
         self.bytes_sent += sent
         return sent
+
+    def send_done(self, address: str, done: TransferDone) -> None:
+        self._send(address, encode_done(done))
+
+    def connect(self, address: str) -> None:
+        """Start connecting now (the first send then rarely waits for the handshake)."""
+        self._socket(address)
+
+    def _send(self, address: str, frames: list) -> None:
+        sock = self._socket(address)
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            return
+        except zmq.Again:
+            pass
+        if not sock.poll(self.send_timeout_ms, zmq.POLLOUT):
+            raise KVSendError(
+                f"kv: the decode instance at {address} did not take KV within "
+                f"{self.send_timeout_ms} ms (not running, or not reading)"
+            )
+        sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
 
     def _socket(self, address: str) -> zmq.Socket:
         sock = self._sockets.get(address)
         if sock is None:
             sock = self._sockets[address] = self.context.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, self.linger_ms)
+            # Queue only for a live connection: KV for a dead peer fails its send at once
+            # instead of piling up in memory until the peer comes back.
+            sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.connect(address)
         return sock
 
@@ -73,22 +120,35 @@ class KVReceiver:
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._progress: dict[str, _Progress] = {}
         self.bytes_received = 0
+        self.num_malformed = 0
 
-    def poll(self, on_layer, timeout_ms: int = 0) -> list[tuple[str, int]]:
+    def poll(self, on_layer, timeout_ms: int = 0, on_done=None) -> list[tuple[str, int]]:
         """Take every message that has arrived (waiting up to timeout_ms for the first),
         handing each layer to on_layer(request_id, layer, start, k, v) as it comes (the
         decode engine writes it straight into its paged cache; k and v are views of the
-        received frame, valid during the call). Returns (request_id, start) of the requests
-        whose layers are now all in."""
+        received frame, valid during the call) and each end-of-transfer message to
+        on_done(TransferDone). Returns (request_id, start) of the requests whose layers are
+        now all in. A malformed message is counted in `num_malformed` and dropped."""
         done = []
-        if not self.socket.poll(timeout_ms):
+        if timeout_ms and not self.socket.poll(timeout_ms):
             return done
         while True:
             try:
                 frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return done
-            header, k, v = decode_layer([f.buffer for f in frames])
+            try:
+                if len(frames) == 1:
+                    finished = decode_done([frames[0].buffer])
+                else:
+                    header, k, v = decode_layer([f.buffer for f in frames])
+            except (ValueError, msgspec.DecodeError, IndexError):
+                self.num_malformed += 1
+                continue
+            if len(frames) == 1:
+                if on_done is not None:
+                    on_done(finished)
+                continue
             self.bytes_received += 2 * k.numel() * k.element_size()
             progress = self._progress.setdefault(
                 header.request_id, _Progress(header.num_layers, header.start, time.monotonic())

@@ -1,7 +1,10 @@
 """The KV wire format: one message per layer of a request's token range, as ZeroMQ frames
 [header, K bytes, V bytes]. The header (msgspec) names the request, the layer, the token
 range, the dtype and the shape; the tensors travel as raw bytes, never pickled, and are
-read back without a copy (torch.frombuffer over the received frame)."""
+read back without a copy (torch.frombuffer over the received frame).
+
+After its layers, a request's transfer ends with a one-frame message: the first token the
+sender sampled from the prompt (and its logprobs, when asked for)."""
 
 from __future__ import annotations
 
@@ -24,8 +27,23 @@ class LayerHeader(msgspec.Struct, array_like=True):
     shape: tuple[int, int, int]  # [tokens, kv_heads, head_dim] of K (and of V)
 
 
+class TransferDone(msgspec.Struct, array_like=True):
+    request_id: str
+    first_token: int
+    logprobs: tuple[list[int], list[float], int] | None = None  # as core.runner.TokenLogprobs
+
+
 _encode = msgspec.msgpack.Encoder().encode
 _decode_header = msgspec.msgpack.Decoder(LayerHeader).decode
+_decode_done = msgspec.msgpack.Decoder(TransferDone).decode
+
+
+def encode_done(done: TransferDone) -> list:
+    return [_encode(done)]
+
+
+def decode_done(frames) -> TransferDone:
+    return _decode_done(bytes(frames[0]))
 
 
 def encode_layer(

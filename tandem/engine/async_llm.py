@@ -30,6 +30,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.messages import (
     ABORT,
     ADD,
+    RESERVE,
     SHUTDOWN,
     CoreFailed,
     CoreMessage,
@@ -37,6 +38,7 @@ from tandem.engine.messages import (
     CoreReady,
     EngineCoreOutput,
     EngineStats,
+    KVTransferParams,
 )
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.outputs import RequestOutput
@@ -127,6 +129,14 @@ class RequestStream:
     def __init__(self, engine: AsyncLLM, request_id: str, collector: _Collector) -> None:
         self.engine, self.request_id, self._collector = engine, request_id, collector
         self.finished = False
+        # (child id, future of the prompt tokens the core holds, -1 for no room): the
+        # reservations of a request whose prompt KV a prefill instance sends
+        self.reservations: list[tuple[str, asyncio.Future]] = []
+
+    async def reserved(self) -> list[tuple[str, int]]:
+        """(child id, prompt tokens already held here) per sequence, once the core has
+        reserved them; -1 where it had no room."""
+        return [(rid, await fut) for rid, fut in self.reservations]
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -181,6 +191,7 @@ class AsyncLLM:
         self.max_model_len = ready.max_model_len
         self.max_request_tokens = ready.max_request_tokens
         self.vocab_size = ready.vocab_size
+        self.kv_address = ready.kv_address  # a decode instance's, for the reservation answer
         self.tokenizer = tokenizer
         self.processor = OutputProcessor(tokenizer)
         self.observer: Observer | None = None
@@ -189,6 +200,7 @@ class AsyncLLM:
         self.dead: str | None = None  # why the core died, once it has
         self._collectors: dict[str, _Collector] = {}
         self._unscheduled: set[str] = set()  # child ids sent to the core, no token yet
+        self._reservations: dict[str, asyncio.Future] = {}  # child id -> held tokens
         self._encoder = msgspec.msgpack.Encoder()
         self._tasks: list[asyncio.Task] = []
         self._closing = False
@@ -277,14 +289,26 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         slo: SLOClass = DEFAULT_CLASS,
+        remote_prefill: bool = False,
+        kv_transfer: list[KVTransferParams] | None = None,
     ) -> RequestStream:
-        """Send the request to the core now; iterate the stream for its outputs."""
+        """Send the request to the core now; iterate the stream for its outputs.
+
+        remote_prefill: a decode instance's request whose prompt KV a prefill instance will
+        send; the core reserves for it (await `stream.reserved()`). kv_transfer: a prefill
+        instance's request, one destination per sequence, whose prompt KV goes there."""
         if self.dead:
             raise EngineDeadError(self.dead)
+        if kv_transfer is not None and len(kv_transfer) != params.n:
+            raise ValueError(
+                f"kv_transfer_params: {len(kv_transfer)} requests for {params.n} sequences"
+            )
         request_id = request_id or uuid.uuid4().hex
         core_requests = self.processor.add_request(
             request_id, prompt, prompt_token_ids, params, time.monotonic(), priority, slo
         )
+        for creq, transfer in zip(core_requests, kv_transfer or ()):
+            creq.kv_transfer = transfer
         try:  # built whole before anything is registered or sent: a failure leaves no trace
             payloads = [self._encoder.encode(creq) for creq in core_requests]
         except (OverflowError, TypeError, ValueError) as e:
@@ -293,14 +317,31 @@ class AsyncLLM:
         collector = self._collectors[request_id] = _Collector()
         if self.observer is not None:
             self.observer.on_add(request_id, core_requests[0].slo)
+        stream = RequestStream(self, request_id, collector)
+        loop = asyncio.get_running_loop() if remote_prefill else None
         for creq, payload in zip(core_requests, payloads):
             self._unscheduled.add(creq.request_id)
-            self._send(ADD, payload)
-        return RequestStream(self, request_id, collector)
+            if remote_prefill:
+                future = self._reservations[creq.request_id] = loop.create_future()
+                stream.reservations.append((creq.request_id, future))
+            self._send(RESERVE if remote_prefill else ADD, payload)
+        return stream
 
     def _release(self, request_id: str, abort: bool) -> None:
+        for child_id in self.processor.child_ids(request_id):
+            self._resolve_reservation(child_id, RequestAbortedError("the request was closed"))
         if self._collectors.pop(request_id, None) is not None and abort:
             self.abort(request_id)
+
+    def _resolve_reservation(self, child_id: str, result: int | Exception) -> None:
+        future = self._reservations.pop(child_id, None)
+        if future is None or future.done():
+            return
+        if isinstance(result, Exception):
+            future.set_exception(result)
+            future.exception()  # retrieved: nobody may be awaiting it any more
+        else:
+            future.set_result(result)
 
     def abort(self, request_id: str) -> None:
         ids = self.processor.child_ids(request_id)
@@ -341,7 +382,10 @@ class AsyncLLM:
             self.stats = msg.stats
             if self.observer is not None:
                 self.observer.on_stats(msg.stats)
+        for child_id, held in msg.reserved:
+            self._resolve_reservation(child_id, held)
         for child_id, reason in msg.rejected:
+            self._resolve_reservation(child_id, RequestRejectedError(reason))
             self._fail_request(child_id, RequestRejectedError(reason))
         for o in msg.outputs:
             if o.error is not None:
@@ -382,6 +426,8 @@ class AsyncLLM:
             return
         log.error("engine core is dead: %s", reason)
         self.dead = reason
+        for child_id in list(self._reservations):
+            self._resolve_reservation(child_id, EngineDeadError(reason))
         for collector in self._collectors.values():
             collector.fail(EngineDeadError(reason))
         if self.on_dead is not None:

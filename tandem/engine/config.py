@@ -17,6 +17,7 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
 KV_CACHE_SPACE_ENV = "TANDEM_CPU_KVCACHE_SPACE"
 DEFAULT_KV_CACHE_GIB = 2.0
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
+ROLES = ("both", "prefill", "decode")
 
 
 def _flag(default, help: str, **argparse_kwargs):
@@ -74,6 +75,22 @@ class EngineConfig:
         "steps the engine times)",
         type=str,
     )
+    role: str = _flag(
+        "both",
+        "both: prefill and decode here; prefill: also compute prompts whose KV a decode "
+        "instance asks for and send it there; decode: also take requests whose prompt KV a "
+        "prefill instance sends (prefill/decode disaggregation, through `tandem proxy`)",
+        choices=ROLES,
+    )
+    kv_host: str = _flag(
+        "127.0.0.1", "decode role: the address to receive KV on, as prefill instances reach it"
+    )
+    kv_port: int = _flag(0, "decode role: the TCP port to receive KV on (0: any free port)")
+    kv_transfer_timeout: float = _flag(
+        60.0,
+        "decode role: seconds a reservation waits for its KV before it is given up (the "
+        "request fails and its blocks go back)",
+    )
     trust_remote_code: bool = _flag(
         False,
         "accepted for vLLM's scripts; no remote code is ever run (architectures are built in)",
@@ -104,6 +121,14 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}"
+            )
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not (isinstance(self.kv_port, int) and 0 <= self.kv_port <= 65535):
+            raise ValueError(f"kv_port must be an integer in [0, 65535], got {self.kv_port!r}")
+        if not self.kv_transfer_timeout > 0:
+            raise ValueError(
+                f"kv_transfer_timeout must be > 0 (seconds), got {self.kv_transfer_timeout!r}"
             )
         if not (isinstance(self.max_logprobs, int) and self.max_logprobs >= 0):
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")

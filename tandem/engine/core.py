@@ -48,10 +48,14 @@ class EngineCore:
     def _request(self, req: EngineCoreRequest) -> Request:
         params = req.sampling_params
         params.eos_token_ids = self.eos_token_ids
+        if req.kv_transfer is not None:
+            params.max_tokens = 1  # the prompt and its first token; the decode side does the rest
         slo = req.slo.with_targets(params.ttft_ms, params.tpot_ms, req.priority)
-        return Request(
+        request = Request(
             req.request_id, req.prompt_token_ids, params, req.arrival_time, req.priority, slo
         )
+        request.kv_transfer = req.kv_transfer
+        return request
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -72,7 +76,7 @@ class EngineCore:
         t1 = self.clock()
         try:
             result = self.runner.execute(plan)  # an empty plan still releases finished state
-            errors = {}
+            errors = dict(result.errors)
         except Exception:
             log.exception("a step of %d requests failed; retrying each alone", len(plan.scheduled))
             result, errors = self._execute_one_by_one(plan)
@@ -84,7 +88,7 @@ class EngineCore:
         for s in plan.scheduled:
             req = s.request
             token = result.sampled.get(req.request_id)
-            if token is None:
+            if token is None or req.request_id in errors:
                 continue
             outputs.append(self._output(req, token, result.logprobs.get(req.request_id)))
         self.last_step_timings = {
@@ -124,6 +128,7 @@ class EngineCore:
                 continue
             merged.sampled.update(result.sampled)
             merged.logprobs.update(result.logprobs)
+            errors.update(result.errors)
         return merged, errors
 
     def _fail(self, errors: dict[str, str]) -> list[EngineCoreOutput]:
@@ -150,11 +155,22 @@ class EngineCore:
         req = self.scheduler.reserved[request_id]
         self.runner.import_kv(req.block_ids, start, kv)
 
-    def commit(self, request_id: str, first_token: int) -> list[EngineCoreOutput]:
+    def receive_layer(self, request_id: str, layer: int, start: int, k, v) -> None:
+        """One layer's K and V ([tokens, kv_heads, head_dim]) of positions from `start`."""
+        req = self.scheduler.reserved[request_id]
+        self.runner.import_layer(req.block_ids, layer, start, k, v)
+
+    def commit(self, request_id: str, first_token: int, logprobs=None) -> list[EngineCoreOutput]:
         """All of the prompt's KV is here: decode on from the token the sender sampled."""
         req = self.scheduler.commit(request_id, first_token)
         self.stalled = False
-        return [self._output(req, first_token, None)]
+        return [self._output(req, first_token, logprobs)]
+
+    def fail_reserved(self, request_id: str, why: str) -> list[EngineCoreOutput]:
+        """Give up a reservation whose KV will not come (or came wrong): its blocks go back
+        and its output says why."""
+        self.stalled = False
+        return self._fail({request_id: why})
 
     def release(self, request_id: str) -> None:
         self.scheduler.release(request_id)

@@ -1,10 +1,14 @@
 """The engine core in its own process, talking to the server over ZeroMQ, as vLLM v1 does.
 The messages are in engine/messages.py; this is the process's composition root and loop.
 
-The core drains every pending message before each step and blocks on its socket when it has
-no work, or when its last step could do nothing (only a message can change that), so a model
-step never waits on HTTP, HTTP never waits on a step, and an idle core uses no CPU. It dies
-with its parent: PR_SET_PDEATHSIG on Linux, and a check of the parent's pid while idle.
+The core drains every pending message before each step and blocks on its sockets when it
+has no work, or when its last step could do nothing (only a message can change that), so a
+model step never waits on HTTP, HTTP never waits on a step, and an idle core uses no CPU. It
+dies with its parent: PR_SET_PDEATHSIG on Linux, and a check of the parent's pid while idle.
+
+A decode instance (--kv-role decode) also listens for KV: it waits on both sockets at once,
+waking for a request, a layer, or the next reservation deadline. A prefill instance
+(--kv-role prefill) sends KV from inside its runner (disagg/prefill.py).
 
 Run as `python -m tandem.engine.core_proc` by `AsyncLLM`; not meant to be started by hand.
 """
@@ -25,6 +29,7 @@ import zmq
 from tandem.engine.messages import (
     ABORT,
     ADD,
+    RESERVE,
     SHUTDOWN,
     CoreFailed,
     CoreOutputs,
@@ -41,14 +46,24 @@ _IDLE_POLL_MS = 500
 class EngineCoreProc:
     """The busy loop around an EngineCore."""
 
-    def __init__(self, core, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
+    def __init__(
+        self, core, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int, kv=None, sender=None
+    ) -> None:
         self.core = core
         self.inbox, self.outbox = inbox, outbox
         self.parent_pid = parent_pid
+        self.kv = kv  # disagg.decode.KVReceiving on a decode instance
+        self.sender = sender  # disagg.connector.KVSender on a prefill instance
+        self.poller = zmq.Poller()
+        self.poller.register(inbox, zmq.POLLIN)
+        if kv is not None:
+            self.poller.register(kv.socket, zmq.POLLIN)
         self.encoder = msgspec.msgpack.Encoder()
         self.request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self.abort_decoder = msgspec.msgpack.Decoder(list[str])
         self.rejected: list[tuple[str, str]] = []
+        self.reserved: list[tuple[str, int]] = []
+        self.pending: list[EngineCoreOutput] = []  # committed or failed transfers
         self.stopping = False
 
     def run(self) -> None:
@@ -63,13 +78,19 @@ class EngineCoreProc:
                 self._send(self.core.step())
 
     def _drain(self, block: bool) -> int:
-        """Handle every pending message; when `block`, first wait for one."""
-        if block:
-            while not self.inbox.poll(_IDLE_POLL_MS):
+        """Handle every pending message (and KV); when `block`, first wait for one."""
+        handled = 0
+        if block:  # until a message, or KV that commits or fails a reservation (or a deadline)
+            while not handled:
+                ready = dict(self.poller.poll(self._wait_ms()))
+                if self.inbox in ready:
+                    break
+                handled = self._take_kv() if self.kv is not None else 0
                 self._exit_if_orphaned()
         else:
             self._exit_if_orphaned()
-        handled = 0
+        if self.kv is not None:
+            handled += self._take_kv()
         while True:
             try:
                 frames = self.inbox.recv_multipart(zmq.NOBLOCK)
@@ -78,29 +99,59 @@ class EngineCoreProc:
             self._handle(frames)
             handled += 1
 
+    def _wait_ms(self) -> int:
+        due = self.kv.next_deadline_in() if self.kv is not None else None
+        return _IDLE_POLL_MS if due is None else max(1, min(_IDLE_POLL_MS, int(due * 1000) + 1))
+
+    def _take_kv(self) -> int:
+        outputs = self.kv.poll()
+        self.pending += outputs
+        return len(outputs)
+
     def _handle(self, frames: list[bytes]) -> None:
         kind = frames[0]
         if kind == ADD:
             request = self.request_decoder.decode(frames[1])
             try:
+                if request.kv_transfer is not None:
+                    if self.sender is None:
+                        raise ValueError("kv_transfer: this instance does not send KV")
+                    self.sender.connect(request.kv_transfer.address)
                 self.core.add_request(request)
             except Exception as e:  # one bad request never takes the core down
-                reason = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-                self.rejected.append((request.request_id, reason))
+                self.rejected.append((request.request_id, _reason(e)))
+        elif kind == RESERVE:
+            request = self.request_decoder.decode(frames[1])
+            try:
+                if self.kv is None:
+                    raise ValueError("kv_transfer_params: this instance does not receive KV")
+                held = self.kv.reserve(request)
+                self.reserved.append((request.request_id, -1 if held is None else held))
+            except Exception as e:
+                self.rejected.append((request.request_id, _reason(e)))
         elif kind == ABORT:
             self.core.abort_requests(self.abort_decoder.decode(frames[1]))
         elif kind == SHUTDOWN:
             self.stopping = True
 
     def _send(self, outputs: list[EngineCoreOutput]) -> None:
-        msg = CoreOutputs(outputs, self.core.stats(), self.rejected)
-        self.rejected = []
+        stats = self.core.stats()
+        if self.kv is not None:
+            self.kv.fill_stats(stats)
+        if self.sender is not None:
+            stats.kv_bytes_sent = self.sender.bytes_sent
+        msg = CoreOutputs(self.pending + outputs, stats, self.rejected, self.reserved)
+        self.rejected, self.reserved, self.pending = [], [], []
         self.outbox.send(self.encoder.encode(msg), copy=False)
 
     def _exit_if_orphaned(self) -> None:
         if os.getppid() != self.parent_pid:
             log.warning("engine core: the server (pid %d) is gone; exiting", self.parent_pid)
             os._exit(1)
+
+
+def _reason(e: Exception) -> str:
+    return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -136,14 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     outbox.setsockopt(zmq.LINGER, 5000)
     encoder = msgspec.msgpack.Encoder()
     try:
-        core, loaded = _build_core(json.loads(args.config))
+        config = _config(json.loads(args.config))
+        core, loaded = _build_core(config)
+        kv, sender = _role(core, loaded, config)
     except Exception as e:  # report any startup failure to the server, which exits with it
         message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         outbox.send(encoder.encode(CoreFailed(message)))
         ctx.destroy(linger=5000)
         return 1
-    outbox.send(encoder.encode(_ready(core, loaded)))
-    proc = EngineCoreProc(core, inbox, outbox, args.parent_pid)
+    outbox.send(encoder.encode(_ready(core, loaded, kv)))
+    proc = EngineCoreProc(core, inbox, outbox, args.parent_pid, kv, sender)
     try:
         proc.run()
     except Exception as e:
@@ -155,20 +208,51 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _build_core(config: dict):
-    from tandem.engine.builder import build_engine
+def _config(config: dict):
     from tandem.engine.config import EngineConfig
 
-    return build_engine(EngineConfig(**config))
+    return EngineConfig(**config)
 
 
-def _ready(core, loaded) -> CoreReady:
+def _build_core(config):
+    from tandem.engine.builder import build_engine
+
+    return build_engine(config)
+
+
+def _role(core, loaded, config):
+    """The KV side of a prefill or decode instance: (KVReceiving | None, KVSender | None)."""
+    num_layers = loaded.model_config.num_layers
+    if config.role == "prefill":
+        from tandem.disagg.connector import KVSender
+        from tandem.disagg.prefill import KVSendingRunner
+
+        sender = KVSender()
+        core.runner = KVSendingRunner(core.runner, sender, num_layers)
+        return None, sender
+    if config.role == "decode":
+        from tandem.disagg.connector import KVReceiver
+        from tandem.disagg.decode import KVReceiving
+
+        try:
+            receiver = KVReceiver(f"tcp://{config.kv_host}:{config.kv_port}")
+        except zmq.ZMQError as e:
+            raise ValueError(
+                f"kv_port: cannot listen for KV on {config.kv_host}:{config.kv_port}: {e}"
+            ) from None
+        log.info("decode role: receiving KV on %s", receiver.address)
+        return KVReceiving(core, receiver, num_layers, config.kv_transfer_timeout), None
+    return None, None
+
+
+def _ready(core, loaded, kv) -> CoreReady:
     return CoreReady(
         pid=os.getpid(),
         model_path=str(loaded.model_path),
         max_model_len=loaded.max_model_len,
         max_request_tokens=core.scheduler.max_request_tokens,
         vocab_size=loaded.model_config.vocab_size,
+        kv_address=kv.address if kv is not None else None,
     )
 
 

@@ -2,13 +2,16 @@
 and stats out, and the control messages of the engine-core process. msgspec structs only, so
 a process that builds or reads them (the HTTP server) never imports torch or the model.
 
-    server (AsyncLLM) ──PUSH: ADD | ABORT | SHUTDOWN──▶ core
+    server (AsyncLLM) ──PUSH: ADD | RESERVE | ABORT | SHUTDOWN──▶ core
     server (AsyncLLM) ◀──PUSH: CoreReady, then CoreOutputs... | CoreFailed── core
+
+RESERVE is ADD on a decode instance whose prompt KV a prefill instance computes: the core
+reserves blocks and answers in CoreOutputs.reserved how many prompt tokens it already holds.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -17,7 +20,16 @@ from tandem.core.sampling_params import SamplingParams
 from tandem.core.slo import DEFAULT_CLASS, SLOClass
 
 # Message kinds, server -> core: the first frame of a multipart message.
-ADD, ABORT, SHUTDOWN = b"add", b"abort", b"shutdown"
+ADD, RESERVE, ABORT, SHUTDOWN = b"add", b"reserve", b"abort", b"shutdown"
+
+
+class KVTransferParams(msgspec.Struct, array_like=True):
+    """Where a prefill instance sends a request's prompt KV: the decode instance's KV
+    address, the decode side's id for the request, and the first prompt position it lacks."""
+
+    address: str
+    remote_request_id: str
+    start: int
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True):
@@ -27,6 +39,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     arrival_time: float
     priority: int = 0
     slo: SLOClass = DEFAULT_CLASS  # its class and targets, resolved by the front end
+    kv_transfer: KVTransferParams | None = None  # prefill here, decode elsewhere
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -51,6 +64,14 @@ class EngineStats:
     num_evicted_blocks: int
     step_seconds: float = 0.0  # the last step's execute time
     predicted_step_seconds: float | None = None  # what the cost model said it would take
+    # prefill/decode disaggregation, cumulative: KV tensor bytes sent (prefill) and received
+    # (decode), prompt tokens a reservation found in the decode-side cache, transfers failed
+    kv_bytes_sent: int = 0
+    kv_bytes_received: int = 0
+    kv_cached_tokens: int = 0
+    kv_transfer_failures: int = 0
+    # seconds from reservation to commit of the transfers done since the last stats
+    kv_transfer_seconds: list[float] = field(default_factory=list)
 
 
 class CoreReady(msgspec.Struct, tag="ready", array_like=True):
@@ -59,12 +80,14 @@ class CoreReady(msgspec.Struct, tag="ready", array_like=True):
     max_model_len: int
     max_request_tokens: int  # the most tokens one request may hold: model limit or KV pool
     vocab_size: int
+    kv_address: str | None = None  # a decode instance's: where prefill instances send KV
 
 
 class CoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     stats: EngineStats | None = None
     rejected: list[tuple[str, str]] = []  # (request id, reason): adds the core refused
+    reserved: list[tuple[str, int]] = []  # (request id, prompt tokens held; -1: no room)
 
 
 class CoreFailed(msgspec.Struct, tag="failed", array_like=True):

@@ -24,6 +24,34 @@ def export_kv(kv_cache: torch.Tensor, block_ids: list[int], start: int, end: int
     return flat.index_select(2, slots).cpu()
 
 
+def export_layer(
+    kv_cache: torch.Tensor, block_ids: list[int], layer: int, start: int, end: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one layer, each [tokens, kv_heads, head_dim], copies on the CPU."""
+    _, _, blocks, bs, kvh, d = kv_cache.shape
+    slots = slots_of(block_ids, bs, start, end).to(kv_cache.device)
+    flat = kv_cache[layer].view(2, blocks * bs, kvh, d)
+    kv = flat.index_select(1, slots).cpu()
+    return kv[0], kv[1]
+
+
+def import_layer(
+    kv_cache: torch.Tensor, block_ids: list[int], layer: int, start: int, k, v
+) -> None:
+    """Write one layer's K and V ([tokens, kv_heads, head_dim], any float dtype) into
+    positions [start, start + tokens), cast to the cache's dtype."""
+    layers, _, blocks, bs, kvh, d = kv_cache.shape
+    if not 0 <= layer < layers or k.shape != v.shape or tuple(k.shape[1:]) != (kvh, d):
+        raise ValueError(
+            f"kv: layer {layer} of shape {tuple(k.shape)} does not fit a cache of {layers} "
+            f"layers, {kvh} KV heads of {d}"
+        )
+    slots = slots_of(block_ids, bs, start, start + k.shape[0]).to(kv_cache.device)
+    flat = kv_cache[layer].view(2, blocks * bs, kvh, d)
+    flat[0].index_copy_(0, slots, k.to(device=kv_cache.device, dtype=kv_cache.dtype))
+    flat[1].index_copy_(0, slots, v.to(device=kv_cache.device, dtype=kv_cache.dtype))
+
+
 def import_kv(kv_cache: torch.Tensor, block_ids: list[int], start: int, kv: torch.Tensor) -> None:
     """Write kv ([layers, 2, tokens, kv_heads, head_dim], any float dtype) into positions
     [start, start + tokens) of the request holding `block_ids`, cast to the cache's dtype."""

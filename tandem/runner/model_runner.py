@@ -14,7 +14,7 @@ from tandem.model import kernels
 from tandem.model.attention import attention_fn, forward_context
 from tandem.model.packed_linear import pack_linears, packing_available
 from tandem.runner.input_batch import prepare_inputs
-from tandem.runner.kv_transfer import export_kv, import_kv
+from tandem.runner.kv_transfer import export_kv, export_layer, import_kv, import_layer
 from tandem.runner.sampler import Sampler
 
 
@@ -54,6 +54,13 @@ class ModelRunner:
     def import_kv(self, block_ids: list[int], start: int, kv: torch.Tensor) -> None:
         """Write KV from another instance (any block size, any float dtype) from `start`."""
         import_kv(self.kv_cache, block_ids, start, kv)
+
+    def export_layer(self, block_ids: list[int], layer: int, start: int, end: int):
+        """(K, V) of one layer, each [tokens, kv_heads, head_dim], on the CPU."""
+        return export_layer(self.kv_cache, block_ids, layer, start, end)
+
+    def import_layer(self, block_ids: list[int], layer: int, start: int, k, v) -> None:
+        import_layer(self.kv_cache, block_ids, layer, start, k, v)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:

@@ -13,7 +13,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tandem import __version__
-from tandem.engine.async_llm import EngineDeadError, RequestAbortedError, RequestError
+from tandem.engine.async_llm import RequestError
 from tandem.server.chat import chat_prompt, create_chat_completion
 from tandem.server.completions import create_completion
 from tandem.server.errors import (
@@ -32,7 +32,7 @@ from tandem.server.protocol import (
     TokenizeRequest,
     parse,
 )
-from tandem.server.serving import Serving
+from tandem.server.serving import Serving, api_error
 from tandem.server.streaming import json_response
 
 _UNGATED = ("/metrics", "/openapi.json")  # answer even while draining
@@ -184,20 +184,12 @@ def _openapi(app: FastAPI) -> dict:
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError) -> Response:
+    async def api_error_response(_: Request, e: APIError) -> Response:
         return e.response()
 
     @app.exception_handler(RequestError)
     async def request_error(_: Request, e: RequestError) -> Response:
-        if isinstance(e, EngineDeadError):
-            return unavailable(f"the engine is dead: {e}").response()
-        if isinstance(e, RequestAbortedError):
-            return unavailable(f"request aborted: {e}").response()
-        if e.status == 400:
-            return bad_request(str(e)).response()
-        if e.status == 503:  # shed: the message names the SLO
-            return unavailable(str(e)).response()
-        return server_error(f"the request failed in the engine: {e}").response()
+        return api_error(e).response()
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, e: Exception) -> Response:

@@ -15,12 +15,14 @@ from tandem.server.deltas import ChoiceCursor
 from tandem.server.errors import bad_request
 from tandem.server.logprobs import chat_logprobs
 from tandem.server.protocol import ChatCompletionRequest, ChatMessage, parse
-from tandem.server.serving import Prompt, Serving, usage
+from tandem.server.serving import Prompt, Serving, error_json, usage
 from tandem.server.streaming import (
     DONE,
     EventStreamResponse,
+    HeadersFirstResponse,
     cancel_on_disconnect,
     json_response,
+    render_json,
     sse,
     sse_error,
 )
@@ -51,9 +53,14 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     params = req.sampling_params(req.max_output_tokens, req.num_logprobs, serving.sampling_defaults)
     params = serving.fit(prompt, params, "messages", "top_logprobs")
     job = _Job(serving, req, prompt, params.stop)
-    streams = serving.generate(job.id, [prompt], [params], req.priority, req.slo_class)
+    kv = req.kv_transfer_params
+    streams = serving.generate(job.id, [prompt], [params], req.priority, req.slo_class, kv)
+    handoff = await serving.reservation([prompt], streams, kv)  # a decode instance's answer
     if req.stream:
-        return EventStreamResponse(job.events(streams[0]), streams)
+        return EventStreamResponse(job.events(streams[0]), streams, handoff)
+    if handoff is not None:
+        work = render_json(job.response, _last(streams[0]))
+        return HeadersFirstResponse(work, streams, handoff, error_json)
     try:
         final = await cancel_on_disconnect(request.receive, _last(streams[0]))
     finally:

@@ -13,13 +13,15 @@ from tandem.engine.outputs import CompletionOutput, RequestOutput
 from tandem.server.deltas import ChoiceCursor
 from tandem.server.logprobs import completion_logprobs
 from tandem.server.protocol import CompletionRequest, parse
-from tandem.server.serving import Prompt, Serving, usage
+from tandem.server.serving import Prompt, Serving, error_json, usage
 from tandem.server.streaming import (
     DONE,
     EventStreamResponse,
+    HeadersFirstResponse,
     cancel_on_disconnect,
     json_response,
     merge,
+    render_json,
     sse,
     sse_error,
 )
@@ -32,9 +34,14 @@ async def create_completion(serving: Serving, request: Request) -> Response:
     params = req.sampling_params(req.max_tokens, req.logprobs, serving.sampling_defaults)
     params_per_prompt = [serving.fit(p, params) for p in prompts]
     job = _Job(serving, req, prompts, params.stop)
-    streams = serving.generate(job.id, prompts, params_per_prompt, req.priority, req.slo_class)
+    kv = req.kv_transfer_params
+    streams = serving.generate(job.id, prompts, params_per_prompt, req.priority, req.slo_class, kv)
+    handoff = await serving.reservation(prompts, streams, kv)  # a decode instance's answer
     if req.stream:
-        return EventStreamResponse(job.events(streams), streams)
+        return EventStreamResponse(job.events(streams), streams, handoff)
+    if handoff is not None:
+        work = render_json(job.response, _collect(streams))
+        return HeadersFirstResponse(work, streams, handoff, error_json)
     try:
         finals = await cancel_on_disconnect(request.receive, _collect(streams))
     finally:

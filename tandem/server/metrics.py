@@ -77,9 +77,24 @@ class Metrics:
         self.step_predicted = self._gauge(
             "step_time_predicted_seconds", "What the cost model predicted for the last step"
         )
+        # prefill/decode disaggregation (zero on a colocated instance)
+        self.kv_sent = self._counter("kv_transfer_sent_bytes", "KV bytes sent to decode instances")
+        self.kv_received = self._counter(
+            "kv_transfer_received_bytes", "KV bytes received from prefill instances"
+        )
+        self.kv_cached = self._counter(
+            "kv_transfer_cached_prompt_tokens",
+            "Prompt tokens a reservation found in this decode instance's cache (not sent)",
+        )
+        self.kv_failures = self._counter(
+            "kv_transfer_failures", "Reservations given up: timed out, or KV sent wrong"
+        )
+        self.kv_seconds = self._histogram(
+            "kv_transfer_seconds", "Seconds from a reservation to its commit", _TTFT_BUCKETS
+        )
         self._slo: dict[str, SLOClass] = {}
         self._last_token_time: dict[str, float] = {}
-        self._engine_totals = (0, 0, 0)  # the core's cumulative counters seen so far
+        self._engine_totals = (0,) * 7  # the core's cumulative counters seen so far
 
     def _gauge(self, name: str, doc: str):
         return Gauge(f"tandem:{name}", doc, _LABELS, registry=self.registry).labels(*self._labels)
@@ -100,13 +115,30 @@ class Metrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
-        totals = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
-        for counter, new, old in zip(
-            (self.prefix_queries, self.prefix_hits, self.preemptions), totals, self._engine_totals
-        ):
+        totals = (
+            stats.prefix_cache_queries,
+            stats.prefix_cache_hits,
+            stats.num_preemptions,
+            stats.kv_bytes_sent,
+            stats.kv_bytes_received,
+            stats.kv_cached_tokens,
+            stats.kv_transfer_failures,
+        )
+        counters = (
+            self.prefix_queries,
+            self.prefix_hits,
+            self.preemptions,
+            self.kv_sent,
+            self.kv_received,
+            self.kv_cached,
+            self.kv_failures,
+        )
+        for counter, new, old in zip(counters, totals, self._engine_totals):
             if new > old:
                 counter.inc(new - old)
         self._engine_totals = totals
+        for seconds in stats.kv_transfer_seconds:
+            self.kv_seconds.observe(seconds)
         self.step_time.set(stats.step_seconds)
         if stats.predicted_step_seconds is not None:
             self.step_predicted.set(stats.predicted_step_seconds)

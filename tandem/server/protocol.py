@@ -49,6 +49,28 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
+class KVTransferRequest(_Model):
+    """One sequence's part of a handoff: the decode side's id for it, the first prompt
+    position it lacks, and the prompt it reserved for (its length and digest), so a prefill
+    instance that tokenizes the body differently refuses instead of sending wrong KV."""
+
+    id: str
+    start: Int64
+    num_tokens: Int64
+    digest: str
+
+
+class KVTransferField(_Model):
+    """`kv_transfer_params`, as vLLM names it, set by `tandem proxy`. To a decode instance:
+    {"do_remote_prefill": true}; it reserves and answers in the x-tandem-kv-transfer
+    header. To a prefill instance: {"do_remote_decode": true, **that header}."""
+
+    do_remote_prefill: bool = False
+    do_remote_decode: bool = False
+    address: str | None = None
+    requests: list[KVTransferRequest] | None = None
+
+
 class _SamplingRequest(_Model):
     """Fields both completion endpoints share."""
 
@@ -75,6 +97,7 @@ class _SamplingRequest(_Model):
     ttft_ms: float | None = None  # this request's own targets, over its class's
     tpot_ms: float | None = None
     user: str | None = None
+    kv_transfer_params: KVTransferField | None = None  # prefill/decode disaggregation
 
     def check(self) -> None:
         if self.stream_options is not None and not self.stream:

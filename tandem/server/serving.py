@@ -10,9 +10,24 @@ from dataclasses import dataclass
 
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.slo import SLOClass, default_class
-from tandem.engine.async_llm import AsyncLLM, RequestStream
+from tandem.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    RequestAbortedError,
+    RequestError,
+    RequestStream,
+)
 from tandem.engine.outputs import RequestOutput
-from tandem.server.errors import bad_request, not_found, unavailable
+from tandem.server import kv_handoff
+from tandem.server.errors import (
+    APIError,
+    bad_request,
+    error_body,
+    not_found,
+    server_error,
+    unavailable,
+)
+from tandem.server.protocol import KVTransferField
 
 log = logging.getLogger("tandem")
 
@@ -138,9 +153,16 @@ class Serving:
         params: list[SamplingParams],
         priority: int | None = None,
         slo_class: str | None = None,
+        kv: KVTransferField | None = None,
     ) -> list[RequestStream]:
-        """Start one generation per prompt (admission checked for all of them first)."""
+        """Start one generation per prompt (admission checked for all of them first). `kv`:
+        this request's part in a prefill/decode handoff (server/kv_handoff.py)."""
         slo, priority = self.slo(slo_class, priority)
+        kv_handoff.check_role(kv, self.engine.config.role)
+        remote_prefill = kv is not None and kv.do_remote_prefill
+        sends = None
+        if kv is not None and kv.do_remote_decode:
+            sends = kv_handoff.destinations(kv, [p.token_ids for p in prompts], params[0].n)
         self.admit(sum(p.n for p in params))
         if self.log_requests:
             for prompt, p in zip(prompts, params):
@@ -150,13 +172,53 @@ class Serving:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(
-                    self.engine.add_request(prompt.text, prompt.token_ids, p, rid, priority, slo)
-                )
+                    self.engine.add_request(
+                        prompt.text, prompt.token_ids, p, rid, priority, slo,
+                        remote_prefill, sends[i] if sends else None,
+                    )
+                )  # fmt: skip
         except ValueError as e:
             for s in streams:
                 s.close()
             raise bad_request(str(e)) from None
         return streams
+
+    async def reservation(
+        self, prompts: list[Prompt], streams: list[RequestStream], kv: KVTransferField | None
+    ) -> dict[str, str] | None:
+        """A decode instance's answer to a handoff (the header that says what to send), once
+        its core has reserved; None for any other request."""
+        if kv is None or not kv.do_remote_prefill:
+            return None
+        try:
+            ids = [p.token_ids for p in prompts]
+            return await kv_handoff.reservation(self.engine.kv_address, ids, streams)
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+
+
+def api_error(e: RequestError) -> APIError:
+    """The HTTP error for a request that ended without its completion."""
+    if isinstance(e, EngineDeadError):
+        return unavailable(f"the engine is dead: {e}")
+    if isinstance(e, RequestAbortedError):
+        return unavailable(f"request aborted: {e}")
+    if e.status == 400:
+        return bad_request(str(e))
+    if e.status == 503:  # shed: the message names the SLO
+        return unavailable(str(e))
+    return server_error(f"the request failed in the engine: {e}")
+
+
+def error_json(e: Exception) -> bytes:
+    """OpenAI's error JSON for an exception raised after a response has started."""
+    if isinstance(e, RequestError):
+        e = api_error(e)
+    if not isinstance(e, APIError):
+        e = server_error(f"internal error: {type(e).__name__}: {e}")
+    return error_body(e.message, e.type, e.param, e.code)
 
 
 def usage(prompts: list[Prompt], outputs: list[RequestOutput]) -> dict:

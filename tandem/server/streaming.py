@@ -31,6 +31,11 @@ def json_response(payload, status_code: int = 200) -> Response:
     return Response(_encode(payload), status_code=status_code, media_type="application/json")
 
 
+async def render_json(render, work: Awaitable) -> bytes:
+    """JSON bytes of render(the result of work)."""
+    return _encode(render(await work))
+
+
 async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
     """Interleave async generators, yielding (which, item). Closing the merge closes them
     all, so their requests are aborted."""
@@ -97,11 +102,13 @@ class EventStreamResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncGenerator[bytes, None], streams: list) -> None:
+    def __init__(
+        self, events: AsyncGenerator[bytes, None], streams: list, headers: dict | None = None
+    ) -> None:
         self.events, self.streams = events, streams
         self.status_code = 200
         self.background = None
-        self.init_headers({"Cache-Control": "no-cache"})
+        self.init_headers({"Cache-Control": "no-cache", **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -116,3 +123,29 @@ class EventStreamResponse(Response):
         async for chunk in self.events:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class HeadersFirstResponse(Response):
+    """JSON whose status and headers go out at once and whose body follows when `work` is
+    done: a decode instance's answer in a handoff, whose header (the reservation) the proxy
+    needs before the prefill starts. An error after that is the body, as OpenAI's error
+    JSON; `tandem proxy` reads its type and code back into a status."""
+
+    media_type = "application/json"
+
+    def __init__(self, work: Awaitable[bytes], streams: list, headers: dict, on_error) -> None:
+        self.work, self.streams, self.on_error = work, streams, on_error
+        self.status_code = 200
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        try:
+            body = await cancel_on_disconnect(receive, self.work)
+        except Exception as e:
+            body = self.on_error(e)
+        finally:
+            for stream in self.streams:
+                stream.close()
+        await send({"type": "http.response.body", "body": body or b"", "more_body": False})

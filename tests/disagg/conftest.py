@@ -1,0 +1,113 @@
+"""Prefill/decode deployments as real processes on loopback: `tandem serve --role prefill`,
+`tandem serve --role decode`, and `tandem proxy` in front, next to a colocated reference.
+
+All of a module's instances start at once (each takes seconds) and are waited on when a test
+first needs them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import ROOT, Server, free_port
+
+
+class ProxyProcess:
+    def __init__(self, prefill: list[Server], decode: list[Server], log_dir: Path, name: str,
+                 args: tuple[str, ...] = ()) -> None:  # fmt: skip
+        self.prefill, self.decode = prefill, decode
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"{name}.log"
+        cmd = [sys.executable, "-m", "tandem.cli", "proxy", "--host", "127.0.0.1",
+               "--port", str(self.port), "--prefill", *[s.url for s in prefill],
+               "--decode", *[s.url for s in decode], *args]  # fmt: skip
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 180.0) -> ProxyProcess:
+        for s in (*self.prefill, *self.decode):
+            s.wait_ready(timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"proxy exited:\n{self.log_path.read_text()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"proxy not ready:\n{self.log_path.read_text()}")
+            time.sleep(0.1)
+
+    def metrics(self) -> dict[str, float]:
+        values: dict[str, float] = {}
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            if line.startswith("tandem:"):
+                name, value = line.rsplit(" ", 1)
+                key = name.split("{")[0]
+                if "served=" in name:
+                    key += ":" + name.split('served="')[1].split('"')[0]
+                values[key] = values.get(key, 0.0) + float(value)
+        return values
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+
+
+BF16_8 = ["--dtype", "bfloat16", "--block-size", "8"]
+
+
+@pytest.fixture(scope="module")
+def deployments(llama_path, tmp_path_factory):
+    """name -> (colocated reference or None, prefill, decode, proxy), all started now."""
+    logs = tmp_path_factory.mktemp("pd-logs")
+    started: dict[str, tuple] = {}
+
+    def deployment(name, prefill_args=(), decode_args=(), proxy_args=(), reference_args=None):
+        ref = None
+        if reference_args is not None:
+            ref = Server(llama_path, list(reference_args), logs, f"{name}-ref")
+        p = Server(llama_path, ["--role", "prefill", *prefill_args], logs, f"{name}-prefill")
+        d = Server(llama_path, ["--role", "decode", *decode_args], logs, f"{name}-decode")
+        started[name] = (ref, p, d, ProxyProcess([p], [d], logs, f"{name}-proxy", proxy_args))
+
+    deployment("same", reference_args=())  # float32, blocks of 16 everywhere
+    deployment("mixed", decode_args=BF16_8, reference_args=BF16_8)  # float32/16 -> bf16/8
+    deployment("dies", proxy_args=("--stream-timeout", "5"))
+    deployment(
+        "stalls",
+        decode_args=("--kv-transfer-timeout", "3"),
+        proxy_args=("--prefill-timeout", "1.5"),
+        reference_args=(),
+    )
+    yield started
+    for ref, p, d, proxy in started.values():
+        proxy.stop()
+        for s in (ref, p, d):
+            if s is not None:
+                s.terminate()
+    for ref, p, d, _ in started.values():
+        for s in (ref, p, d):
+            if s is not None:
+                s.stop()
+
+
+def ready(deployments, name: str):
+    ref, p, d, proxy = deployments[name]
+    proxy.wait_ready()
+    if ref is not None:
+        ref.wait_ready()
+    return ref, p, d, proxy
