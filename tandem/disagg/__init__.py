@@ -1,1 +1,2 @@
-"""Prefill/decode disaggregation: the KV wire format and transport."""
+"""Prefill/decode disaggregation: the KV wire format and transport, the prefill and decode
+sides of a handoff, and `tandem proxy`."""

@@ -60,6 +60,11 @@ def test_engine_core_imports_no_torch_and_the_server_no_model_or_runner():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_proxy_imports_no_torch():
+    code = "import sys, tandem.disagg.proxy_cli, tandem.disagg.proxy; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_loop_matches_a_hand_computed_schedule():
     scripts = {"a": [7, 8, 9], "b": [11, 42, 13]}
     core, runner, clock = _engine(scripts, _cost)
