@@ -1,5 +1,5 @@
-"""`tandem proxy`: an OpenAI-compatible front end over prefill and decode instances that runs
-the three-stage handoff of server/kv_handoff.py for each completion request:
+"""The router's PD mode (`tandem router --prefill URL... --decode URL...`, or `tandem proxy`):
+for each completion request, the three-stage handoff of server/kv_handoff.py:
 
     1. reserve   POST decode  body + {"do_remote_prefill": true}  -> x-tandem-kv-transfer header
     2. prefill   POST prefill body + {"do_remote_decode": true, **header} -> KV streams to decode
@@ -17,7 +17,6 @@ both sides.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import json
 import logging
@@ -25,9 +24,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
-from fastapi import FastAPI
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Histogram,
@@ -36,7 +33,7 @@ from prometheus_client import (
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from tandem.server.errors import error_response, server_error, unauthorized, unavailable
+from tandem.server.errors import error_response, unavailable
 from tandem.server.kv_handoff import HEADER
 from tandem.server.streaming import DONE, cancel_on_disconnect, sse_error
 
@@ -313,54 +310,3 @@ def _broken(e: Exception) -> Response:
         "server_error",
         code="bad_gateway",
     )
-
-
-def build_proxy_app(proxy: Proxy) -> FastAPI:
-    app = FastAPI(title="tandem proxy", docs_url=None, redoc_url=None, openapi_url=None)
-    expected = f"Bearer {proxy.config.api_key}" if proxy.config.api_key else None
-
-    @app.middleware("http")
-    async def gate(request: Request, call_next):
-        if expected and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                return unauthorized().response()
-        return await call_next(request)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await proxy.complete("/v1/completions", request)
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await proxy.complete("/v1/chat/completions", request)
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await proxy.forward("GET", "/v1/models", request)
-
-    for path in ("/tokenize", "/detokenize"):
-
-        async def passthrough(request: Request, path: str = path) -> Response:
-            return await proxy.forward("POST", path, request)
-
-        app.add_api_route(path, passthrough, methods=["POST"])
-
-    @app.get("/health")
-    async def health() -> Response:
-        if await proxy.healthy():
-            return Response(status_code=200)
-        return unavailable("no decode instance is healthy").response()
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        from prometheus_client import generate_latest
-
-        return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.exception_handler(Exception)
-    async def unexpected(_: Request, e: Exception) -> Response:
-        log.exception("proxy: unexpected error")
-        return server_error(f"proxy: {type(e).__name__}: {e}").response()
-
-    return app

@@ -52,8 +52,10 @@ def pid_alive(pid: int) -> bool:
 
 
 class Server:
-    def __init__(self, model: Path, args: list[str], log_dir: Path, name: str) -> None:
-        self.port = free_port()
+    def __init__(
+        self, model: Path, args: list[str], log_dir: Path, name: str, port: int | None = None
+    ) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
         cmd = [sys.executable, "-m", "tandem.cli", "serve", *([str(model)] if model else [])]

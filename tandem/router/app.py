@@ -1,0 +1,417 @@
+"""`tandem router`: one OpenAI-compatible front end over many `tandem serve` workers.
+
+Plain mode (`--worker URL...`): each completion goes to the first worker the policy ranks
+(router/policy.py). A request that fails before its first token (worker unreachable, a 5xx,
+ejected by the prober while it waited: a stalled worker is found by its probes timing out,
+not by hope) is retried on the next worker, bounded by `max_attempts` and `retry_deadline`;
+one that fails mid-stream ends with an error event (no silent truncation, no token twice).
+A streamed answer is held back until its first token (or end) arrives, so a retry never
+repeats what the client has seen. A client that leaves aborts the request on the worker.
+
+PD mode (`--prefill URL... --decode URL...`; also `tandem proxy`): the three-stage handoff of
+disagg/proxy.py. Both modes share the gate (API key), forwarding and metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    disable_created_metrics,
+    generate_latest,
+)
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from tandem.router.policy import RouteRequest, WorkerState
+from tandem.router.pool import WorkerPool
+from tandem.server.errors import APIError, bad_request, server_error, unauthorized, unavailable
+from tandem.server.streaming import DONE, cancel_on_disconnect, sse_error
+
+log = logging.getLogger("tandem")
+FORWARDED = ("authorization", "content-type")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    api_key: str | None = None
+    max_attempts: int = 3
+    retry_deadline: float = 30.0  # seconds from arrival within which a retry may start
+    request_timeout: float = 600.0  # the longest a worker may take to its first token
+    stream_timeout: float = 60.0  # the longest silence inside a streamed answer
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        disable_created_metrics()
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("tandem:router_requests", "Requests routed, by worker",
+                                ["worker"], registry=r)  # fmt: skip
+        self.retries = Counter("tandem:router_retries", "Requests retried on another worker",
+                               registry=r)  # fmt: skip
+        self.failed = Counter("tandem:router_failed", "Requests no worker could serve",
+                              registry=r)  # fmt: skip
+        self.ejections = Gauge("tandem:router_worker_ejections", "Times a worker was ejected",
+                               ["worker"], registry=r)  # fmt: skip
+        self.healthy = Gauge("tandem:router_worker_healthy", "1 if the worker gets requests",
+                             ["worker"], registry=r)  # fmt: skip
+        # scaling signals, for an autoscaler (deploy/kubernetes/keda-scaledobject.yaml)
+        self.queue = Gauge("tandem:router_worker_queue_depth",
+                           "Requests waiting on the worker (its /metrics) or in flight to it",
+                           ["worker"], registry=r)  # fmt: skip
+        self.queue_per_worker = Gauge(
+            "tandem:router_queue_depth_per_worker",
+            "Mean queue depth over healthy workers: scale out when it stays high",
+            registry=r,
+        )
+        self.predicted_ttft = Gauge(
+            "tandem:router_predicted_ttft_seconds",
+            "Cost-model TTFT of a 512-token prompt on the best worker now",
+            registry=r,
+        )
+        self.hit_estimate = Gauge(
+            "tandem:router_prefix_hit_estimate",
+            "Share of prompt chunks the router expected cached where it sent them",
+            registry=r,
+        )
+        self.worker_hit_rate = Gauge(
+            "tandem:router_worker_prefix_hit_rate",
+            "Prefix-cache hit rate each worker reports (its own counters)",
+            ["worker"],
+            registry=r,
+        )
+
+
+class Router:
+    def __init__(self, pool: WorkerPool, config: RouterConfig, client: httpx.AsyncClient):
+        self.pool, self.config, self.client = pool, config, client
+        self.metrics = RouterMetrics()
+
+    async def complete(self, path: str, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            body = None
+        headers = {k: v for k, v in request.headers.items() if k in FORWARDED}
+        stream = isinstance(body, dict) and body.get("stream") is True
+        route = RouteRequest(_prompt_text(body))
+        result = await cancel_on_disconnect(
+            request.receive, self._attempts(path, raw, headers, stream, route)
+        )
+        return Response(status_code=499) if result is None else result
+
+    async def _attempts(self, path, raw, headers, stream: bool, route: RouteRequest):
+        deadline = time.monotonic() + self.config.retry_deadline
+        tried: set[str] = set()
+        for attempt in range(self.config.max_attempts):
+            order = [w for w in self.pool.order(route) if w.id not in tried]
+            if not order or (attempt and time.monotonic() > deadline):
+                break
+            worker = order[0]
+            tried.add(worker.id)
+            if attempt:
+                self.metrics.retries.inc()
+            answer = await self._try(worker, path, raw, headers, stream, route)
+            if answer is not None:
+                return answer
+        self.metrics.failed.inc()
+        return unavailable(
+            f"no worker could serve the request (tried {len(tried)})", retry_after=1
+        ).response()
+
+    async def _try(self, worker: WorkerState, path, raw, headers, stream, route):
+        """The worker's answer, or None when it failed before its first token (retry)."""
+        self.pool.policy.routed(worker, route)
+        self.metrics.requests.labels(worker.id).inc()
+        self.pool.workers[worker.id].requests += 1
+        worker.in_flight += 1
+        worker.pending_prefill_tokens += route.tokens
+        held = True  # the in-flight count, until the answer is relayed or given up
+        try:
+            response = await self._watched(worker, self._open(worker.url + path, raw, headers))
+            if response.status_code >= 500:
+                await response.aclose()
+                raise _Failed(f"HTTP {response.status_code}")
+            if not stream or response.status_code != 200:
+                content = await self._watched(worker, response.aread())
+                await response.aclose()
+                self.pool.succeeded(worker.id)
+                media = response.headers.get("content-type", "application/json")
+                return Response(content, status_code=response.status_code, media_type=media)
+            chunks = response.aiter_raw()
+            first = await self._watched(worker, _until_first_token(chunks))
+            self.pool.succeeded(worker.id)
+            held = False
+            return StreamingResponse(
+                self._relay(worker, response, first, chunks),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        except _Failed as e:
+            log.warning("router: worker %s failed before a token: %s", worker.id, e)
+            self.pool.failed(worker.id, str(e))
+            return None
+        finally:
+            worker.pending_prefill_tokens = max(0, worker.pending_prefill_tokens - route.tokens)
+            if held:
+                worker.in_flight -= 1
+
+    async def _open(self, url: str, raw: bytes, headers: dict) -> httpx.Response:
+        request = self.client.build_request(
+            "POST", url, content=raw, headers=headers,
+            timeout=httpx.Timeout(self.config.stream_timeout, connect=5.0),
+        )  # fmt: skip
+        return await self.client.send(request, stream=True)
+
+    async def _watched(self, worker: WorkerState, work):
+        """Await `work` unless the worker is ejected or the request timeout passes first."""
+        task = asyncio.ensure_future(work)
+        deadline = time.monotonic() + self.config.request_timeout
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.2)
+                if done:
+                    return task.result()
+                if not worker.healthy:
+                    raise _Failed("ejected by the prober while waiting")
+                if time.monotonic() > deadline:
+                    raise _Failed(f"no answer in {self.config.request_timeout:g} s")
+        except httpx.HTTPError as e:
+            raise _Failed(type(e).__name__) from None
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def _relay(self, worker: WorkerState, response, first: bytes, chunks):
+        try:
+            yield first
+            async for chunk in chunks:
+                yield chunk
+        except httpx.HTTPError as e:  # mid-stream: the client has tokens; end it clearly
+            log.warning("router: worker %s broke mid-stream: %s", worker.id, type(e).__name__)
+            self.pool.failed(worker.id, type(e).__name__)
+            yield sse_error(f"the worker failed mid-stream ({type(e).__name__})")
+            yield DONE
+        finally:
+            worker.in_flight -= 1
+            await response.aclose()
+
+    def refresh_metrics(self) -> None:
+        workers = list(self.pool.workers.values())
+        healthy = [w.state for w in workers if w.state.healthy]
+        for w in workers:
+            s = w.state
+            self.metrics.healthy.labels(s.id).set(1 if s.healthy else 0)
+            self.metrics.ejections.labels(s.id).set(w.ejections)
+            self.metrics.queue.labels(s.id).set(max(s.waiting, s.in_flight - s.running, 0))
+            if w.prefix_queries:
+                self.metrics.worker_hit_rate.labels(s.id).set(w.prefix_hits / w.prefix_queries)
+        if healthy:
+            depth = sum(max(s.waiting, s.in_flight - s.running, 0) for s in healthy)
+            self.metrics.queue_per_worker.set(depth / len(healthy))
+        policy = self.pool.policy
+        if getattr(policy, "queried_chunks", 0):
+            self.metrics.hit_estimate.set(policy.matched_chunks / policy.queried_chunks)
+        if hasattr(policy, "predicted_ttft") and healthy:
+            probe = RouteRequest("x" * 2048)
+            self.metrics.predicted_ttft.set(min(policy.predicted_ttft(s, probe) for s in healthy))
+
+
+class _Failed(Exception):
+    pass
+
+
+async def _until_first_token(chunks) -> bytes:
+    """Read a streamed answer until an event that carries a token, a finish, an error or
+    the end; return everything read so far."""
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        for event in buffer.split(b"\n\n")[:-1]:
+            if _carries_output(event):
+                return buffer
+    return buffer  # the stream ended
+
+
+def _carries_output(event: bytes) -> bool:
+    data = event.strip().removeprefix(b"data: ")
+    if data == b"[DONE]":
+        return True
+    try:
+        payload = json.loads(data)
+    except ValueError:
+        return True  # not ours to judge: pass it on
+    if "error" in payload:
+        return True
+    for c in payload.get("choices", []):
+        if c.get("text") or (c.get("delta") or {}).get("content") or c.get("finish_reason"):
+            return True
+    return False
+
+
+def _prompt_text(body) -> str:
+    """What the router sees of a prompt, for prefix-aware routing."""
+    if not isinstance(body, dict):
+        return ""
+    if "messages" in body and isinstance(body["messages"], list):
+        parts = []
+        for m in body["messages"]:
+            if isinstance(m, dict):
+                content = m.get("content")
+                parts.append(
+                    f"<{m.get('role')}>{content if isinstance(content, str) else json.dumps(content)}"
+                )
+        return "".join(parts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return " ".join(map(str, prompt))
+    return json.dumps(prompt) if prompt is not None else ""
+
+
+def build_app(
+    api_key: str | None,
+    complete,
+    forward,
+    healthy,
+    metrics_text,
+    router: Router | None = None,
+) -> FastAPI:
+    """The front end both modes share: `complete(path, request)` serves completions,
+    `forward(method, path, request)` everything else."""
+    app = FastAPI(title="tandem router", docs_url=None, redoc_url=None, openapi_url=None)
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    @app.middleware("http")
+    async def gate(request: Request, call_next):
+        if expected and request.url.path.startswith(("/v1", "/workers")):
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return unauthorized().response()
+        return await call_next(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await complete("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await complete("/v1/chat/completions", request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await forward("GET", "/v1/models", request)
+
+    for path in ("/tokenize", "/detokenize"):
+
+        async def passthrough(request: Request, path: str = path) -> Response:
+            return await forward("POST", path, request)
+
+        app.add_api_route(path, passthrough, methods=["POST"])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if await healthy():
+            return Response(status_code=200)
+        return unavailable("no worker is healthy").response()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+    if router is not None:
+        _add_worker_routes(app, router.pool)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> Response:
+        return e.response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, e: Exception) -> Response:
+        log.exception("router: unexpected error")
+        return server_error(f"router: {type(e).__name__}: {e}").response()
+
+    return app
+
+
+def _add_worker_routes(app: FastAPI, pool: WorkerPool) -> None:
+    def listing(w) -> dict:
+        s = w.state
+        return {"id": s.id, "url": s.url, "healthy": s.healthy, "requests": w.requests,
+                "in_flight": s.in_flight, "running": s.running, "waiting": s.waiting,
+                "kv_usage": s.kv_usage, "ejections": w.ejections}  # fmt: skip
+
+    @app.get("/workers")
+    async def workers() -> Response:
+        return Response(json.dumps([listing(w) for w in pool.workers.values()]),
+                        media_type="application/json")  # fmt: skip
+
+    @app.post("/workers")
+    async def add_worker(request: Request) -> Response:
+        try:
+            url = json.loads(await request.body())["url"]
+        except (ValueError, KeyError, TypeError):
+            raise bad_request('url: send {"url": "http://host:port"}', "url") from None
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise bad_request("url: must be an http(s) URL", "url")
+        worker = pool.add(url)
+        await pool.probe(worker)
+        return Response(json.dumps(listing(worker)), status_code=201,
+                        media_type="application/json")  # fmt: skip
+
+    @app.delete("/workers/{worker_id}")
+    async def remove_worker(worker_id: str) -> Response:
+        if not pool.remove(worker_id):
+            return Response(json.dumps({"error": {"message": f"no worker {worker_id!r}",
+                            "type": "not_found"}}), status_code=404)  # fmt: skip
+        return Response(status_code=204)
+
+
+def plain_app(router: Router) -> FastAPI:
+    async def forward(method: str, path: str, request: Request) -> Response:
+        headers = {k: v for k, v in request.headers.items() if k in FORWARDED}
+        body = await request.body()
+        for worker in router.pool.order(RouteRequest("")):
+            try:
+                r = await router.client.request(
+                    method, worker.url + path, content=body, headers=headers, timeout=10
+                )
+            except httpx.HTTPError:
+                continue
+            media = r.headers.get("content-type", "application/json")
+            return Response(r.content, status_code=r.status_code, media_type=media)
+        return unavailable("no worker is reachable").response()
+
+    async def healthy() -> bool:
+        return bool(router.pool.healthy())
+
+    def metrics_text() -> bytes:
+        router.refresh_metrics()
+        return generate_latest(router.metrics.registry)
+
+    return build_app(router.config.api_key, router.complete, forward, healthy, metrics_text, router)
+
+
+def pd_app(proxy) -> FastAPI:
+    """PD mode: completions run the handoff (disagg/proxy.py)."""
+
+    def metrics_text() -> bytes:
+        return generate_latest(proxy.metrics.registry)
+
+    return build_app(proxy.config.api_key, proxy.complete, proxy.forward, proxy.healthy,
+                     metrics_text)  # fmt: skip
