@@ -95,8 +95,39 @@ def run_policy(args, out: Path, policy: str) -> dict:
             w.stop()
 
 
-def overhead(args, out: Path) -> dict:
-    (w,) = workers(argparse.Namespace(**{**vars(args), "workers": 1}), out, "overhead")
+_INSTANT = """
+from starlette.applications import Starlette
+from starlette.responses import Response
+from starlette.routing import Route
+
+async def answer(request):
+    await request.body()
+    return Response(b'{"choices": [{"index": 0, "text": "x"}]}', media_type="application/json")
+
+async def ok(request):
+    return Response(b"")
+
+app = Starlette(routes=[Route("/v1/completions", answer, methods=["POST"]),
+                        Route("/health", ok), Route("/metrics", ok), Route("/v1/models", ok)])
+"""
+
+
+def instant_worker(out: Path):
+    """A worker that answers at once: what the router costs without a model beside it."""
+    from tandem.bench.servers import ManagedServer
+
+    (out / "instant_worker.py").write_text(_INSTANT)
+    port = free_port()
+    cmd = [sys.executable, "-m", "uvicorn", "--app-dir", str(out), "instant_worker:app",
+           "--port", str(port), "--log-level", "warning"]  # fmt: skip
+    return ManagedServer("instant", cmd, f"http://127.0.0.1:{port}", out / "instant.log")
+
+
+def overhead(args, out: Path, instant: bool = False) -> dict:
+    if instant:
+        w = instant_worker(out)
+    else:
+        (w,) = workers(argparse.Namespace(**{**vars(args), "workers": 1}), out, "overhead")
     w.start()
     r = router(out, "overhead", [w.base_url], "prefix_aware")
     try:
@@ -130,15 +161,26 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--turn-input", type=int, default=192)
     ap.add_argument("--turn-output", type=int, default=16)
-    ap.add_argument("--concurrency", type=int, default=6)
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        default=4,
+        help="conversations at once (a multiple of --workers lets round robin land each turn on "
+        "its conversation's worker by accident, in lockstep)",
+    )
     ap.add_argument("--overhead-requests", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--result-dir", default="bench-results/router")
+    ap.add_argument("--only-overhead", action="store_true")
     args = ap.parse_args()
     out = Path(args.result_dir)
     out.mkdir(parents=True, exist_ok=True)
-    results = {p: run_policy(args, out, p) for p in POLICIES}
+    results = {} if args.only_overhead else {p: run_policy(args, out, p) for p in POLICIES}
     cost = overhead(args, out)
+    bare = overhead(args, out, instant=True)
+    if args.only_overhead:
+        print(cost, bare)
+        return
     print(f"\n{args.workers} workers, {args.threads} torch thread each, on {os.cpu_count()} "
           f"cores; {args.conversations} conversations x {args.turns} turns, "
           f"{args.concurrency} at a time")  # fmt: skip
@@ -151,7 +193,11 @@ def main() -> None:
     print(f"router overhead, one-token requests: p50 direct {cost['p50_direct_ms']:.2f} ms, "
           f"through the router {cost['p50_routed_ms']:.2f} ms, p50 difference "
           f"{cost['p50_overhead_ms']:.2f} ms (target < 2 ms)")  # fmt: skip
+    print(f"  against a worker that answers at once (no model competing for the cores): p50 "
+          f"direct {bare['p50_direct_ms']:.2f} ms, routed {bare['p50_routed_ms']:.2f} ms, "
+          f"difference {bare['p50_overhead_ms']:.2f} ms")  # fmt: skip
     (out / "router.json").write_text(json.dumps({"policies": results, "overhead": cost,
+                                                 "overhead_instant_worker": bare,
                                                  "args": vars(args)}, indent=2))  # fmt: skip
 
 

@@ -141,14 +141,20 @@ class Router:
         worker.pending_prefill_tokens += route.tokens
         held = True  # the in-flight count, until the answer is relayed or given up
         try:
+            if not stream:
+                response = await self._watched(worker, self._fetch(worker.url + path, raw, headers))
+                if response.status_code >= 500:
+                    raise _Failed(f"HTTP {response.status_code}")
+                self.pool.succeeded(worker.id)
+                media = response.headers.get("content-type", "application/json")
+                return Response(response.content, response.status_code, media_type=media)
             response = await self._watched(worker, self._open(worker.url + path, raw, headers))
             if response.status_code >= 500:
                 await response.aclose()
                 raise _Failed(f"HTTP {response.status_code}")
-            if not stream or response.status_code != 200:
+            if response.status_code != 200:
                 content = await self._watched(worker, response.aread())
                 await response.aclose()
-                self.pool.succeeded(worker.id)
                 media = response.headers.get("content-type", "application/json")
                 return Response(content, status_code=response.status_code, media_type=media)
             chunks = response.aiter_raw()
@@ -175,6 +181,10 @@ class Router:
             timeout=httpx.Timeout(self.config.stream_timeout, connect=5.0),
         )  # fmt: skip
         return await self.client.send(request, stream=True)
+
+    async def _fetch(self, url: str, raw: bytes, headers: dict) -> httpx.Response:
+        timeout = httpx.Timeout(self.config.request_timeout, connect=5.0)
+        return await self.client.post(url, content=raw, headers=headers, timeout=timeout)
 
     async def _watched(self, worker: WorkerState, work):
         """Await `work` unless the worker is ejected or the request timeout passes first."""
@@ -233,6 +243,21 @@ class Router:
 
 class _Failed(Exception):
     pass
+
+
+class _Gate:
+    """Pure ASGI middleware (no per-request task, unlike @app.middleware): the API key on
+    /v1 and /workers."""
+
+    def __init__(self, app, expected: bytes) -> None:
+        self.app, self.expected = app, expected
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(("/v1", "/workers")):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                return await unauthorized().response()(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 async def _until_first_token(chunks) -> bytes:
@@ -295,15 +320,8 @@ def build_app(
     """The front end both modes share: `complete(path, request)` serves completions,
     `forward(method, path, request)` everything else."""
     app = FastAPI(title="tandem router", docs_url=None, redoc_url=None, openapi_url=None)
-    expected = f"Bearer {api_key}".encode() if api_key else None
-
-    @app.middleware("http")
-    async def gate(request: Request, call_next):
-        if expected and request.url.path.startswith(("/v1", "/workers")):
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return unauthorized().response()
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(_Gate, expected=f"Bearer {api_key}".encode())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -313,9 +331,12 @@ def build_app(
     async def chat(request: Request) -> Response:
         return await complete("/v1/chat/completions", request)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await forward("GET", "/v1/models", request)
+    for path in ("/v1/models", "/version"):
+
+        async def get(request: Request, path: str = path) -> Response:
+            return await forward("GET", path, request)
+
+        app.add_api_route(path, get, methods=["GET"])
 
     for path in ("/tokenize", "/detokenize"):
 
@@ -329,6 +350,10 @@ def build_app(
         if await healthy():
             return Response(status_code=200)
         return unavailable("no worker is healthy").response()
+
+    @app.get("/ping")
+    async def ping() -> Response:  # vLLM's alias of /health
+        return await health()
 
     @app.get("/metrics")
     async def metrics() -> Response:

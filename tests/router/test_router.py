@@ -90,6 +90,24 @@ def test_outputs_through_the_router_equal_a_worker_s_own(cluster):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
 
 
+def test_a_client_that_leaves_mid_stream_aborts_the_request_on_its_worker(cluster):
+    router = _up(cluster["steady"], cluster["routers"]["steady"])
+    body = _greedy("a long answer, abandoned " * 4, max_tokens=950, stream=True)
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 6:
+                break
+    deadline = time.monotonic() + 1.0  # well before 950 tokens could have been generated
+    busy = lambda: sum(  # noqa: E731
+        w.metrics().get("tandem:num_requests_running", 0.0) for w in cluster["steady"]
+    )
+    while busy() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert busy() == 0
+    assert all(w.metrics()["tandem:kv_cache_usage_perc"] == 0 for w in cluster["steady"])
+    assert httpx.get(router.url + "/version").json()["version"]
+
+
 def test_prefix_aware_routing_keeps_a_conversation_on_one_worker(cluster):
     router = _up(cluster["steady"], cluster["routers"]["steady"])
     workers = cluster["steady"]
