@@ -17,7 +17,6 @@ both sides.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import time
@@ -33,6 +32,8 @@ from prometheus_client import (
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from tandem.router.policy import LeastLoad, PrefixAware, RouteRequest, prompt_text
+from tandem.router.pool import WorkerPool
 from tandem.server.errors import error_response, unavailable
 from tandem.server.kv_handoff import HEADER
 from tandem.server.streaming import DONE, cancel_on_disconnect, sse_error
@@ -89,18 +90,31 @@ class _Failed(Exception):
 
 
 class Proxy:
-    def __init__(self, config: ProxyConfig, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        client: httpx.AsyncClient | None = None,
+        probe_interval: float = 1.0,
+    ) -> None:
         self.config = config
         self.client = client or httpx.AsyncClient(
             timeout=None, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
         )
         self.metrics = _Metrics()
-        self._prefill = itertools.cycle(range(len(config.prefill)))
-        self._decode = itertools.cycle(range(len(config.decode)))
+        # The router's pools: probed health and load. Decode instances by prefix (their radix
+        # cache is what saves the transfer), prefill instances by load.
+        self.decode_pool = WorkerPool(list(config.decode), PrefixAware(), self.client,
+                                      probe_interval)  # fmt: skip
+        self.prefill_pool = WorkerPool(list(config.prefill), LeastLoad(), self.client,
+                                       probe_interval)  # fmt: skip
 
-    def _order(self, urls: tuple[str, ...], turn) -> list[str]:
-        first = next(turn)
-        return [urls[(first + i) % len(urls)] for i in range(len(urls))]
+    def start(self) -> None:
+        self.decode_pool.start()
+        self.prefill_pool.start()
+
+    async def stop(self) -> None:
+        await self.decode_pool.stop()
+        await self.prefill_pool.stop()
 
     # ---- a completion request ---------------------------------------------------------
     async def complete(self, path: str, request: Request) -> Response:
@@ -121,7 +135,8 @@ class Proxy:
 
     async def _handoff(self, path: str, body: dict, headers: dict, stream: bool) -> Response:
         raw = json.dumps(body).encode()
-        decode = await self._reserve(path, body, headers)
+        route = RouteRequest(prompt_text(body))
+        decode = await self._reserve(path, body, headers, route)
         if decode is None:  # no decode instance could reserve: run it where it can run
             self.metrics.requests.labels("colocated").inc()
             return await self._colocated(
@@ -129,7 +144,7 @@ class Proxy:
             )
         response, reservation = decode
         try:
-            done = await self._prefill_stage(path, body, headers, reservation)
+            done = await self._prefill_stage(path, body, headers, reservation, route)
         except BaseException:
             await response.aclose()
             raise
@@ -143,12 +158,13 @@ class Proxy:
         self.metrics.requests.labels("handoff").inc()
         return await self._relay(response, stream, time.monotonic())
 
-    async def _reserve(self, path: str, body: dict, headers: dict):
+    async def _reserve(self, path: str, body: dict, headers: dict, route: RouteRequest):
         """Stage 1: (open decode response, reservation) from the first decode instance that
         reserves; None if none does. A 4xx other than overload is the client's error: the
         colocated run that follows reports it."""
         payload = json.dumps({**body, "kv_transfer_params": {"do_remote_prefill": True}})
-        for url in self._order(self.config.decode, self._decode):
+        for worker in self.decode_pool.order(route):
+            url = worker.url
             t0 = time.monotonic()
             try:
                 response = await self._open(
@@ -156,6 +172,7 @@ class Proxy:
                 )
             except _Failed as e:
                 log.warning("proxy: decode %s: %s", url, e)
+                self.decode_pool.failed(worker.id, str(e))
                 self.metrics.retries.labels("reserve").inc()
                 continue
             if response.status_code != 200 or HEADER not in response.headers:
@@ -165,18 +182,22 @@ class Proxy:
                     return None
                 self.metrics.retries.labels("reserve").inc()
                 continue
+            self.decode_pool.policy.routed(worker, route)
             self.metrics.stage.labels("reserve").observe(time.monotonic() - t0)
             return response, json.loads(response.headers[HEADER])
         return None
 
-    async def _prefill_stage(self, path: str, body: dict, headers: dict, reservation: dict):
+    async def _prefill_stage(
+        self, path: str, body: dict, headers: dict, reservation: dict, route: RouteRequest
+    ):
         """Stage 2: True once a prefill instance computed the prompt and sent its KV; False
         if none could; a Response for an error that is the client's."""
         kv = {"do_remote_decode": True, **reservation}
         body = {**body, "stream": False, "kv_transfer_params": kv}
         body.pop("stream_options", None)
         payload = json.dumps(body)
-        for url in self._order(self.config.prefill, self._prefill):
+        for worker in self.prefill_pool.order(route):
+            url = worker.url
             t0 = time.monotonic()
             try:
                 response = await asyncio.wait_for(
@@ -185,6 +206,7 @@ class Proxy:
                 )
             except (httpx.HTTPError, asyncio.TimeoutError) as e:
                 log.warning("proxy: prefill %s: %s", url, type(e).__name__)
+                self.prefill_pool.failed(worker.id, type(e).__name__)
                 self.metrics.retries.labels("prefill").inc()
                 continue
             if response.status_code == 200:
@@ -261,7 +283,7 @@ class Proxy:
     async def forward(self, method: str, path: str, request: Request) -> Response:
         headers = {k: v for k, v in request.headers.items() if k in _FORWARDED}
         body = await request.body()
-        for url in self._order(self.config.decode, self._decode):
+        for url in [w.url for w in self.decode_pool.order(RouteRequest(""))]:
             try:
                 r = await self.client.request(
                     method, url + path, content=body, headers=headers, timeout=10
@@ -272,15 +294,9 @@ class Proxy:
         return unavailable("no decode instance is reachable").response()
 
     async def healthy(self) -> bool:
-        """At least one decode instance is healthy (prefill ones are a speed-up only)."""
-
-        async def ok(url: str) -> bool:
-            try:
-                return (await self.client.get(url + "/health", timeout=2)).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        return any(await asyncio.gather(*(ok(u) for u in self.config.decode)))
+        """At least one decode instance is healthy (prefill ones are a speed-up only), as
+        the prober last saw them."""
+        return bool(self.decode_pool.healthy())
 
 
 def _passthrough(r: httpx.Response) -> Response:

@@ -34,7 +34,7 @@ from prometheus_client import (
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from tandem.router.policy import RouteRequest, WorkerState
+from tandem.router.policy import RouteRequest, WorkerState, prompt_text
 from tandem.router.pool import WorkerPool
 from tandem.server.errors import APIError, bad_request, server_error, unauthorized, unavailable
 from tandem.server.streaming import DONE, cancel_on_disconnect, sse_error
@@ -107,7 +107,7 @@ class Router:
             body = None
         headers = {k: v for k, v in request.headers.items() if k in FORWARDED}
         stream = isinstance(body, dict) and body.get("stream") is True
-        route = RouteRequest(_prompt_text(body))
+        route = RouteRequest(prompt_text(body))
         result = await cancel_on_disconnect(
             request.receive, self._attempts(path, raw, headers, stream, route)
         )
@@ -286,27 +286,6 @@ def _carries_output(event: bytes) -> bool:
         if c.get("text") or (c.get("delta") or {}).get("content") or c.get("finish_reason"):
             return True
     return False
-
-
-def _prompt_text(body) -> str:
-    """What the router sees of a prompt, for prefix-aware routing."""
-    if not isinstance(body, dict):
-        return ""
-    if "messages" in body and isinstance(body["messages"], list):
-        parts = []
-        for m in body["messages"]:
-            if isinstance(m, dict):
-                content = m.get("content")
-                parts.append(
-                    f"<{m.get('role')}>{content if isinstance(content, str) else json.dumps(content)}"
-                )
-        return "".join(parts)
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        return " ".join(map(str, prompt))
-    return json.dumps(prompt) if prompt is not None else ""
 
 
 def build_app(

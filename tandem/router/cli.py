@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
             args.prefill_timeout,
             args.stream_timeout,
         )
-        app, pool = pd_app(Proxy(config, client)), None
+        proxy = Proxy(config, client)
+        app, pool = pd_app(proxy), proxy
         what = f"PD mode: prefill {config.prefill}, decode {config.decode}"
     else:
         from tandem.core.cost_model import CostModel

@@ -11,6 +11,7 @@ from each worker's /metrics and from the router's own count of requests in fligh
 from __future__ import annotations
 
 import itertools
+import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
@@ -180,6 +181,27 @@ class CostAware(PrefixAware):
     def rank(self, workers, request):
         by_load = LeastLoad.rank(self, workers, request)
         return sorted(by_load, key=lambda w: self.predicted_ttft(w, request))
+
+
+def prompt_text(body) -> str:
+    """What the router sees of a prompt, for prefix-aware routing."""
+    if not isinstance(body, dict):
+        return ""
+    if "messages" in body and isinstance(body["messages"], list):
+        parts = []
+        for m in body["messages"]:
+            if isinstance(m, dict):
+                content = m.get("content")
+                parts.append(
+                    f"<{m.get('role')}>{content if isinstance(content, str) else json.dumps(content)}"
+                )
+        return "".join(parts)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return " ".join(map(str, prompt))
+    return json.dumps(prompt) if prompt is not None else ""
 
 
 POLICIES = ("round_robin", "least_load", "prefix_aware", "cost")

@@ -93,21 +93,23 @@ def deployments(llama_path, tmp_path_factory):
         proxy_args=("--prefill-timeout", "1.5"),
         reference_args=(),
     )
+    p2 = Server(llama_path, ["--role", "prefill"], logs, "two-prefill")
+    ds = [Server(llama_path, ["--role", "decode"], logs, f"two-decode-{i}") for i in range(2)]
+    started["two"] = (None, p2, ds, ProxyProcess([p2], ds, logs, "two-proxy"))
     yield started
-    for ref, p, d, proxy in started.values():
+    every = [s for ref, p, d, _ in started.values()
+             for s in (ref, p, *(d if isinstance(d, list) else [d])) if s is not None]  # fmt: skip
+    for *_, proxy in started.values():
         proxy.stop()
-        for s in (ref, p, d):
-            if s is not None:
-                s.terminate()
-    for ref, p, d, _ in started.values():
-        for s in (ref, p, d):
-            if s is not None:
-                s.stop()
+    for s in every:
+        s.terminate()
+    for s in every:
+        s.stop()
 
 
 def ready(deployments, name: str):
     ref, p, d, proxy = deployments[name]
-    proxy.wait_ready()
+    proxy.wait_ready()  # and its instances
     if ref is not None:
         ref.wait_ready()
     return ref, p, d, proxy

@@ -171,6 +171,25 @@ def test_the_second_turn_of_a_conversation_sends_only_its_new_suffix(deployments
     assert second_bytes < 0.5 * n2 * per_token and second_bytes < first_bytes
 
 
+def test_the_proxy_sends_a_conversation_to_the_decode_instance_that_holds_it(deployments):
+    """Two decode instances: every later turn goes where the earlier ones are cached, and a
+    new conversation goes to the other instance."""
+    _, _, decodes, proxy = ready(deployments, "two")
+    cached = "tandem:kv_transfer_cached_prompt_tokens_total"
+    homes = []
+    for c in range(2):
+        history = f"Agent {c} log: " + " ".join(f"step {c}.{i} returned ok." for i in range(30))
+        before = [d.metrics().get(cached, 0.0) for d in decodes]
+        for turn in range(3):
+            answer = _complete(proxy.url, _greedy(history, max_tokens=4))
+            history += answer["choices"][0]["text"] + f" Observation {turn}: more rows."
+        time.sleep(0.2)
+        gained = [i for i, d in enumerate(decodes) if d.metrics().get(cached, 0.0) > before[i]]
+        assert len(gained) == 1
+        homes.append(gained[0])
+    assert homes[0] != homes[1]
+
+
 # ---- heterogeneous pair -------------------------------------------------------------------
 def test_a_float32_block_16_prefill_and_bf16_block_8_decode_match_a_bf16_instance(deployments):
     ref, p, d, proxy = ready(deployments, "mixed")
