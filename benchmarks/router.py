@@ -157,8 +157,8 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    ap.add_argument("--conversations", type=int, default=12)
-    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--turn-input", type=int, default=192)
     ap.add_argument("--turn-output", type=int, default=16)
     ap.add_argument(
