@@ -51,11 +51,13 @@ class ProxyConfig:
     reserve_timeout: float = 10.0  # the decode side's reservation answer
     prefill_timeout: float = 60.0  # the prefill instance's whole answer (prompt + KV sent)
     stream_timeout: float = 60.0  # the longest gap between two chunks of the decode stream
+    # the longest a non-streamed answer may take (its body comes whole, at the end)
+    request_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
             raise ValueError("proxy: give at least one --prefill and one --decode URL")
-        for name in ("reserve_timeout", "prefill_timeout", "stream_timeout"):
+        for name in ("reserve_timeout", "prefill_timeout", "stream_timeout", "request_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 (seconds), got {getattr(self, name)!r}")
 
@@ -136,7 +138,7 @@ class Proxy:
     async def _handoff(self, path: str, body: dict, headers: dict, stream: bool) -> Response:
         raw = json.dumps(body).encode()
         route = RouteRequest(prompt_text(body))
-        decode = await self._reserve(path, body, headers, route)
+        decode = await self._reserve(path, body, headers, route, stream)
         if decode is None:  # no decode instance could reserve: run it where it can run
             self.metrics.requests.labels("colocated").inc()
             return await self._colocated(
@@ -158,7 +160,9 @@ class Proxy:
         self.metrics.requests.labels("handoff").inc()
         return await self._relay(response, stream, time.monotonic())
 
-    async def _reserve(self, path: str, body: dict, headers: dict, route: RouteRequest):
+    async def _reserve(
+        self, path: str, body: dict, headers: dict, route: RouteRequest, stream: bool
+    ):
         """Stage 1: (open decode response, reservation) from the first decode instance that
         reserves; None if none does. A 4xx other than overload is the client's error: the
         colocated run that follows reports it."""
@@ -168,7 +172,7 @@ class Proxy:
             t0 = time.monotonic()
             try:
                 response = await self._open(
-                    url + path, payload, headers, self.config.reserve_timeout
+                    url + path, payload, headers, self.config.reserve_timeout, stream
                 )
             except _Failed as e:
                 log.warning("proxy: decode %s: %s", url, e)
@@ -223,7 +227,9 @@ class Proxy:
         """The whole request on one instance, the first that answers."""
         for url in urls:
             try:
-                response = await self._open(url + path, raw, headers, self.config.reserve_timeout)
+                # a non-streamed colocated answer sends its headers only once it is done
+                wait = self.config.reserve_timeout if stream else self.config.request_timeout
+                response = await self._open(url + path, raw, headers, wait, stream)
             except _Failed as e:
                 log.warning("proxy: %s: %s", url, e)
                 continue
@@ -233,14 +239,18 @@ class Proxy:
             return await self._relay(response, stream, time.monotonic())
         return unavailable("no instance could serve the request", retry_after=1).response()
 
-    async def _open(self, url: str, payload, headers: dict, timeout: float) -> httpx.Response:
-        """POST, and return once the status and headers are in (the body streams later)."""
+    async def _open(
+        self, url: str, payload, headers: dict, timeout: float, stream: bool
+    ) -> httpx.Response:
+        """POST, and return once the status and headers are in (the body streams later): a
+        streamed body may fall silent for stream_timeout, a whole one for request_timeout."""
+        silence = self.config.stream_timeout if stream else self.config.request_timeout
         request = self.client.build_request(
             "POST",
             url,
             content=payload,
             headers=headers,
-            timeout=httpx.Timeout(self.config.stream_timeout, connect=timeout),
+            timeout=httpx.Timeout(silence, connect=min(timeout, 5.0)),
         )
         try:
             return await asyncio.wait_for(self.client.send(request, stream=True), timeout)

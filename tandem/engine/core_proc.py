@@ -6,9 +6,9 @@ has no work, or when its last step could do nothing (only a message can change t
 model step never waits on HTTP, HTTP never waits on a step, and an idle core uses no CPU. It
 dies with its parent: PR_SET_PDEATHSIG on Linux, and a check of the parent's pid while idle.
 
-A decode instance (--kv-role decode) also listens for KV: it waits on both sockets at once,
+A decode instance (--role decode) also listens for KV: it waits on both sockets at once,
 waking for a request, a layer, or the next reservation deadline. A prefill instance
-(--kv-role prefill) sends KV from inside its runner (disagg/prefill.py).
+(--role prefill) sends KV from inside its runner (disagg/prefill.py).
 
 Run as `python -m tandem.engine.core_proc` by `AsyncLLM`; not meant to be started by hand.
 """

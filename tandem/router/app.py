@@ -144,14 +144,14 @@ class Router:
             if not stream:
                 response = await self._watched(worker, self._fetch(worker.url + path, raw, headers))
                 if response.status_code >= 500:
-                    raise _Failed(f"HTTP {response.status_code}")
+                    raise _Failed(f"HTTP {response.status_code}", busy=response.status_code == 503)
                 self.pool.succeeded(worker.id)
                 media = response.headers.get("content-type", "application/json")
                 return Response(response.content, response.status_code, media_type=media)
             response = await self._watched(worker, self._open(worker.url + path, raw, headers))
             if response.status_code >= 500:
                 await response.aclose()
-                raise _Failed(f"HTTP {response.status_code}")
+                raise _Failed(f"HTTP {response.status_code}", busy=response.status_code == 503)
             if response.status_code != 200:
                 content = await self._watched(worker, response.aread())
                 await response.aclose()
@@ -168,7 +168,8 @@ class Router:
             )
         except _Failed as e:
             log.warning("router: worker %s failed before a token: %s", worker.id, e)
-            self.pool.failed(worker.id, str(e))
+            if not e.busy:  # an overloaded worker (503) is retried elsewhere, not ejected
+                self.pool.failed(worker.id, str(e))
             return None
         finally:
             worker.pending_prefill_tokens = max(0, worker.pending_prefill_tokens - route.tokens)
@@ -242,7 +243,9 @@ class Router:
 
 
 class _Failed(Exception):
-    pass
+    def __init__(self, why: str, busy: bool = False) -> None:
+        super().__init__(why)
+        self.busy = busy
 
 
 class _Gate:

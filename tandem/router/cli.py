@@ -20,6 +20,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--stream-timeout", type=float, default=60.0,
                    help="longest silence inside a worker's streamed answer")  # fmt: skip
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="longest a worker may take to its first token (a non-streamed answer: "
+                   "to all of it)")  # fmt: skip
     p.add_argument(
         "--uvicorn-log-level",
         default="warning",
@@ -56,8 +59,6 @@ def add_parser(sub) -> None:
                    help="workers a request may be tried on before it fails")  # fmt: skip
     p.add_argument("--retry-deadline", type=float, default=30.0,
                    help="seconds after arrival within which a retry may start")  # fmt: skip
-    p.add_argument("--request-timeout", type=float, default=600.0,
-                   help="longest a worker may take to its first token")  # fmt: skip
     add_common(p)
     add_pd(p, required=False)
 
@@ -82,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
             args.reserve_timeout,
             args.prefill_timeout,
             args.stream_timeout,
+            args.request_timeout,
         )
         proxy = Proxy(config, client)
         app, pool = pd_app(proxy), proxy
