@@ -139,7 +139,8 @@ class Router:
         self.pool.workers[worker.id].requests += 1
         worker.in_flight += 1
         worker.pending_prefill_tokens += route.tokens
-        held = True  # the in-flight count, until the answer is relayed or given up
+        held = True  # the in-flight count and the connection, until the relay takes them
+        response = None
         try:
             if not stream:
                 response = await self._watched(worker, self._fetch(worker.url + path, raw, headers))
@@ -171,10 +172,12 @@ class Router:
             if not e.busy:  # an overloaded worker (503) is retried elsewhere, not ejected
                 self.pool.failed(worker.id, str(e))
             return None
-        finally:
+        finally:  # also when the client left (cancelled): closing aborts it on the worker
             worker.pending_prefill_tokens = max(0, worker.pending_prefill_tokens - route.tokens)
             if held:
                 worker.in_flight -= 1
+                if response is not None:
+                    await response.aclose()
 
     async def _open(self, url: str, raw: bytes, headers: dict) -> httpx.Response:
         request = self.client.build_request(
