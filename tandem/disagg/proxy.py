@@ -32,6 +32,7 @@ from prometheus_client import (
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from tandem.router.forwarding import read_request
 from tandem.router.policy import LeastLoad, PrefixAware, RouteRequest, prompt_text
 from tandem.router.pool import WorkerPool
 from tandem.server.errors import error_response, unavailable
@@ -39,7 +40,6 @@ from tandem.server.kv_handoff import HEADER
 from tandem.server.streaming import DONE, cancel_on_disconnect, sse_error
 
 log = logging.getLogger("tandem")
-_FORWARDED = ("authorization", "content-type")
 _STAGE_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 
 
@@ -120,12 +120,7 @@ class Proxy:
 
     # ---- a completion request ---------------------------------------------------------
     async def complete(self, path: str, request: Request) -> Response:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            body = None
-        headers = {k: v for k, v in request.headers.items() if k in _FORWARDED}
+        raw, body, headers = await read_request(request)
         if not isinstance(body, dict):  # the instance says what is wrong with it
             return await self._colocated(path, raw, headers, self.config.decode, stream=False)
         body.pop("kv_transfer_params", None)  # ours to set
@@ -291,8 +286,7 @@ class Proxy:
 
     # ---- everything else goes to a decode instance ---------------------------------------
     async def forward(self, method: str, path: str, request: Request) -> Response:
-        headers = {k: v for k, v in request.headers.items() if k in _FORWARDED}
-        body = await request.body()
+        body, _, headers = await read_request(request)
         for url in [w.url for w in self.decode_pool.order(RouteRequest(""))]:
             try:
                 r = await self.client.request(

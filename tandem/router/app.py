@@ -34,13 +34,13 @@ from prometheus_client import (
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from tandem.router.forwarding import read_request
 from tandem.router.policy import RouteRequest, WorkerState, prompt_text
 from tandem.router.pool import WorkerPool
 from tandem.server.errors import APIError, bad_request, server_error, unauthorized, unavailable
 from tandem.server.streaming import DONE, cancel_on_disconnect, sse_error
 
 log = logging.getLogger("tandem")
-FORWARDED = ("authorization", "content-type")
 
 
 @dataclass(frozen=True)
@@ -100,12 +100,7 @@ class Router:
         self.metrics = RouterMetrics()
 
     async def complete(self, path: str, request: Request) -> Response:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            body = None
-        headers = {k: v for k, v in request.headers.items() if k in FORWARDED}
+        raw, body, headers = await read_request(request)
         stream = isinstance(body, dict) and body.get("stream") is True
         route = RouteRequest(prompt_text(body))
         result = await cancel_on_disconnect(
@@ -394,8 +389,7 @@ def _add_worker_routes(app: FastAPI, pool: WorkerPool) -> None:
 
 def plain_app(router: Router) -> FastAPI:
     async def forward(method: str, path: str, request: Request) -> Response:
-        headers = {k: v for k, v in request.headers.items() if k in FORWARDED}
-        body = await request.body()
+        body, _, headers = await read_request(request)
         for worker in router.pool.order(RouteRequest("")):
             try:
                 r = await router.client.request(

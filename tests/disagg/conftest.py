@@ -6,65 +6,28 @@ first needs them."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.server.conftest import ROOT, Server, free_port
+from tests.router.conftest import FrontEnd
+from tests.server.conftest import Server, metrics
 
 
-class ProxyProcess:
+class ProxyProcess(FrontEnd):
     def __init__(self, prefill: list[Server], decode: list[Server], log_dir: Path, name: str,
                  args: tuple[str, ...] = ()) -> None:  # fmt: skip
         self.prefill, self.decode = prefill, decode
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"{name}.log"
-        cmd = [sys.executable, "-m", "tandem.cli", "proxy", "--host", "127.0.0.1",
-               "--port", str(self.port), "--prefill", *[s.url for s in prefill],
-               "--decode", *[s.url for s in decode], *args]  # fmt: skip
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+        super().__init__(["proxy", "--prefill", *[s.url for s in prefill],
+                          "--decode", *[s.url for s in decode], *args], log_dir, name)  # fmt: skip
 
     def wait_ready(self, timeout: float = 180.0) -> ProxyProcess:
         for s in (*self.prefill, *self.decode):
             s.wait_ready(timeout)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"proxy exited:\n{self.log_path.read_text()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"proxy not ready:\n{self.log_path.read_text()}")
-            time.sleep(0.1)
+        return super().wait_ready(timeout)
 
     def metrics(self) -> dict[str, float]:
-        values: dict[str, float] = {}
-        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
-            if line.startswith("tandem:"):
-                name, value = line.rsplit(" ", 1)
-                key = name.split("{")[0]
-                if "served=" in name:
-                    key += ":" + name.split('served="')[1].split('"')[0]
-                values[key] = values.get(key, 0.0) + float(value)
-        return values
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self._log.close()
+        return metrics(self.url, "served")
 
 
 BF16_8 = ["--dtype", "bfloat16", "--block-size", "8"]

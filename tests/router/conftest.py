@@ -12,32 +12,31 @@ import httpx
 from tests.server.conftest import ROOT, free_port
 
 
-class RouterProcess:
-    def __init__(self, workers: list[str], log_dir: Path, name: str, args=()) -> None:
+class FrontEnd:
+    """`tandem router` or `tandem proxy` as a process: ready once its /health answers 200."""
+
+    def __init__(self, args: list[str], log_dir: Path, name: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
-        cmd = [sys.executable, "-m", "tandem.cli", "router", "--host", "127.0.0.1",
-               "--port", str(self.port), "--worker", *workers, *args]  # fmt: skip
+        cmd = [sys.executable, "-m", "tandem.cli", args[0], "--host", "127.0.0.1",
+               "--port", str(self.port), *args[1:]]  # fmt: skip
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
 
-    def wait_ready(self, timeout: float = 60.0) -> RouterProcess:
+    def wait_ready(self, timeout: float = 60.0):
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited:\n{self.log_path.read_text()}")
+                raise RuntimeError(f"{self.log_path.stem} exited:\n{self.log_path.read_text()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"router not ready:\n{self.log_path.read_text()}")
+                raise RuntimeError(f"{self.log_path.stem} not ready:\n{self.log_path.read_text()}")
             time.sleep(0.1)
-
-    def workers(self) -> dict[str, dict]:
-        return {w["url"]: w for w in httpx.get(f"{self.url}/workers", timeout=5).json()}
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -47,6 +46,14 @@ class RouterProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self._log.close()
+
+
+class RouterProcess(FrontEnd):
+    def __init__(self, workers: list[str], log_dir: Path, name: str, args=()) -> None:
+        super().__init__(["router", "--worker", *workers, *args], log_dir, name)
+
+    def workers(self) -> dict[str, dict]:
+        return {w["url"]: w for w in httpx.get(f"{self.url}/workers", timeout=5).json()}
 
 
 class StalledWorker:

@@ -51,6 +51,20 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def metrics(url: str, label: str) -> dict[str, float]:
+    """`name{labels}` lines of /metrics, summed over labels except `label` (kept as
+    `name:value`)."""
+    values: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("tandem:"):
+            name, value = line.rsplit(" ", 1)
+            key = name.split("{")[0]
+            if f'{label}="' in name:
+                key += ":" + name.split(f'{label}="')[1].split('"')[0]
+            values[key] = values.get(key, 0.0) + float(value)
+    return values
+
+
 class Server:
     def __init__(
         self, model: Path, args: list[str], log_dir: Path, name: str, port: int | None = None
@@ -88,16 +102,7 @@ class Server:
         return pid
 
     def metrics(self) -> dict[str, float]:
-        """`name{labels}` lines of /metrics, labels dropped except finished_reason."""
-        values: dict[str, float] = {}
-        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
-            if line.startswith("tandem:"):
-                name, value = line.rsplit(" ", 1)
-                key = name.split("{")[0]
-                if 'finished_reason="' in name:
-                    key += ":" + name.split('finished_reason="')[1].split('"')[0]
-                values[key] = values.get(key, 0.0) + float(value)
-        return values
+        return metrics(self.url, "finished_reason")
 
     def terminate(self) -> None:
         if self.proc.poll() is None:
