@@ -92,6 +92,12 @@ def format_summary(result: dict, percentiles=(90, 99), goodput: bool = False) ->
         for p in percentiles:
             word = str(int(p)) if int(p) == p else str(p)
             row(f"P{word} {short} (ms):", result[f"p{word}_{name}_ms"])
+    if result.get("spec_decode_num_draft_tokens"):
+        lines.append("{:-^50}".format("Speculative Decoding"))
+        row("Acceptance rate (%):", 100 * result["spec_decode_acceptance_rate"])
+        row("Mean acceptance length:", result["spec_decode_mean_acceptance_length"])
+        row("Drafted tokens:", result["spec_decode_num_draft_tokens"], "{:<10}")
+        row("Accepted tokens:", result["spec_decode_num_accepted_tokens"], "{:<10}")
     if result.get("slo_attainment"):
         lines.append("{:-^50}".format("SLO attainment"))
         for cls, a in result["slo_attainment"].items():

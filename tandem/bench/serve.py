@@ -15,6 +15,7 @@ from tandem.bench.arrivals import parse_rates
 from tandem.bench.client import RequestSpec, auth_headers, first_model, make_client, send
 from tandem.bench.results import build_result, format_summary, format_sweep, rate_value, save_json
 from tandem.bench.runner import RunConfig, RunResult, run_workload
+from tandem.bench.server_counters import read_spec_counters, spec_summary
 from tandem.bench.workloads import LengthRange, RequestClass, Session, num_requests
 
 READY_CHECK_POINT = 1 << 20  # the workload index of the ready check: one no run reaches
@@ -192,8 +193,11 @@ async def run_point(
     )
     count = lambda text: len(prep.tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
     sessions = prep.workload(index)
+    base_url = spec.url.rsplit("/v1/", 1)[0]
+    before = await read_spec_counters(base_url, spec.headers)
     run = await run_workload(sessions, spec, cfg, count)
     summary = metrics.summarize(run.results, run.duration, prep.percentiles, prep.goodput or None)
+    summary |= spec_summary(before, await read_spec_counters(base_url, spec.headers))
     class_slos = {c.name: c.slo for c in prep.classes if c.slo}
     attain = None
     if prep.goodput or class_slos:
@@ -201,7 +205,7 @@ async def run_point(
     meta = {
         "backend": args.backend,
         "label": label or args.label,
-        "base_url": spec.url.rsplit("/v1/", 1)[0],
+        "base_url": base_url,
         "model_id": spec.model,
         "tokenizer_id": prep.tokenizer_id,
         "dataset_name": args.dataset_name,

@@ -83,12 +83,19 @@ class KVCacheManager:
 
     # ---- allocation ------------------------------------------------------------
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, prefix: list[Node] = (), publish: bool = True
+        self,
+        request: Request,
+        num_new_tokens: int,
+        prefix: list[Node] = (),
+        publish: bool = True,
+        num_unverified: int = 0,
     ) -> bool:
         """Give the request room for num_new_tokens more tokens, after adopting `prefix`
         (cached blocks from match_prefix) if it has none yet. False, changing nothing, when
         the pool is short. With publish=False the new full blocks stay out of the radix tree
-        until `publish` (their KV is still to arrive from elsewhere).
+        until `publish` (their KV is still to arrive from elsewhere). The last
+        `num_unverified` new tokens are drafts (speculative decoding): they get slots but are
+        never published, since the model may reject them.
 
             |<------------------ blocks after the call ------------------->|
             |<- prefix ->|<- request.block_ids[len(prefix):] ->|<- new ->|
@@ -113,7 +120,7 @@ class KVCacheManager:
             if prefix:
                 self._cursors[request.request_id] = _InsertCursor(prefix[-1], len(prefix))
             if publish:
-                self._insert_full_blocks(request, num_computed + num_new_tokens)
+                self._insert_full_blocks(request, num_computed + num_new_tokens - num_unverified)
         return True
 
     def publish(self, request: Request, num_tokens: int) -> None:
@@ -145,6 +152,19 @@ class KVCacheManager:
             cursor.node, cursor.num_blocks = node, i + 1
 
     # ---- release -------------------------------------------------------------------
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's blocks past its first num_tokens (slots of rejected
+        drafts). They were never published, so nobody else holds them."""
+        keep = self.blocks_for(num_tokens)
+        extra = request.block_ids[keep:]
+        if not extra:
+            return
+        del request.block_ids[keep:]
+        assert not any(self.cache and self.cache.contains(b) for b in extra), (
+            "trimmed a cached block"
+        )
+        self.pool.put_free(self.pool.decref(extra))
+
     def free(self, request: Request, keep_cached: bool = True) -> None:
         """Drop the request's references. Cached blocks stay for reuse until evicted, unless
         `keep_cached` is False (the request failed mid-step: KV it published may be unwritten),

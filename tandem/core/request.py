@@ -68,6 +68,10 @@ class Request:
         # Where a prefill instance sends this request's prompt KV (engine.messages.
         # KVTransferParams); None for a request served here.
         self.kv_transfer = None
+        # Tokens a proposer guessed to follow the last one (speculative decoding): the next
+        # step computes them too and keeps those the model agrees with. Never in
+        # all_token_ids until verified.
+        self.draft_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

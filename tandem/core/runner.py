@@ -25,12 +25,16 @@ TokenLogprobs = tuple[list[int], list[float], int]
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)  # only rows that asked
+    # request id -> its new tokens: one, or with speculative decoding the drafts the model
+    # agreed with and one more
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # per new token
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, for benchmarks
     # request id -> why it failed, for a runner that fails one request and computes the rest
     # (a prefill instance whose decode side is unreachable); the engine finishes them.
     errors: dict[str, str] = field(default_factory=dict)
+    # request id -> tokens a proposer guesses follow its new ones, for the next step to verify
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 class KVTransferRunner(Protocol):

@@ -17,6 +17,7 @@ from tandem.core.cost_model import StepShape
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.policy import BatchPolicy, FCFSBatch
 from tandem.core.request import Request, RequestStatus
+from tandem.spec.stats import SpecDecodeStats
 
 
 @dataclass(frozen=True)
@@ -35,12 +36,24 @@ class SchedulerConfig:
 class ScheduledRequest:
     request: Request
     start: int  # first position computed this step (= num_computed_tokens when scheduled)
-    num_new_tokens: int
+    num_new_tokens: int  # draft tokens included
     sample: bool  # the chunk reaches the request's last known token: sample the next one
+    # Proposed tokens after the last known one, computed in the same row: the runner samples
+    # at each of them too and returns the prefix the model agrees with, plus one token.
+    draft_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, request: Request, start: int, num_new_tokens: int) -> ScheduledRequest:
-        return cls(request, start, num_new_tokens, start + num_new_tokens == request.num_tokens)
+    def of(
+        cls, request: Request, start: int, num_new_tokens: int, drafts: tuple[int, ...] = ()
+    ) -> ScheduledRequest:
+        end = start + num_new_tokens - len(drafts)
+        return cls(request, start, num_new_tokens, end == request.num_tokens, tuple(drafts))
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The row's input tokens: its known ones from `start`, then its drafts."""
+        known = self.request.all_token_ids[self.start : self.start + self.num_new_tokens]
+        return known + list(self.draft_token_ids) if self.draft_token_ids else known
 
 
 @dataclass
@@ -99,6 +112,7 @@ class Scheduler:
         self.reserved: dict[str, Request] = {}  # waiting for their KV (reserve / commit)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodeStats()
         self._finished_ids: list[str] = []
 
     # ---- intake ------------------------------------------------------------------
@@ -239,21 +253,38 @@ class Scheduler:
                     admitting = False
 
     def _schedule_running(self, out, req: Request, budget: StepBudget, unscheduled) -> None:
+        drafts = self._drafts(req)
         while True:
-            n = budget.fit(req, req.num_computed_tokens, req.num_tokens - req.num_computed_tokens)
+            known = req.num_tokens - req.num_computed_tokens
+            n = budget.fit(req, req.num_computed_tokens, known + len(drafts))
             if n <= 0:
                 return
-            if self.kv.allocate_slots(req, n):
+            drafts = drafts[: max(0, n - known)]  # the budget may cut drafts, never known tokens
+            if self.kv.allocate_slots(req, n, num_unverified=len(drafts)):
                 unscheduled.remove(req)
-                out.scheduled.append(ScheduledRequest.of(req, req.num_computed_tokens, n))
+                out.scheduled.append(ScheduledRequest.of(req, req.num_computed_tokens, n, drafts))
                 budget.spend(req, req.num_computed_tokens, n)
                 return
+            if drafts:  # speculation never preempts anyone: try again without it
+                drafts = ()
+                continue
             victim = self.batch.victim(req, unscheduled)
             if victim is None:
                 return
             self._preempt_for(out, victim, budget, unscheduled)
             if victim is req:
                 return
+
+    def _drafts(self, req: Request) -> tuple[int, ...]:
+        """The request's proposed tokens worth verifying now: only right after its last token
+        (not mid-prompt), and no more than max_tokens and max_model_len leave room for (the
+        step yields the accepted drafts plus one token)."""
+        if not req.draft_token_ids or req.num_tokens - req.num_computed_tokens != 1:
+            return ()
+        room = min(
+            req.max_tokens - req.num_output_tokens, self.config.max_model_len - req.num_tokens
+        )
+        return tuple(req.draft_token_ids[: max(0, room - 1)])
 
     def _admit(self, out, req: Request, budget: StepBudget, unscheduled) -> bool:
         if len(self.running) >= self.config.max_num_seqs:
@@ -290,25 +321,40 @@ class Scheduler:
         self._preempt(victim)
         out.preempted_ids.append(victim.request_id)
 
-    def update(self, plan: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance every scheduled request by its chunk; append sampled tokens; finish those
-        that hit a stop condition. Returns the requests that finished in this step."""
+    def update(
+        self,
+        plan: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        drafts: dict[str, list[int]] | None = None,
+    ) -> list[Request]:
+        """Advance every scheduled request by its chunk; append its new tokens (one, or the
+        accepted drafts and one more); finish those that hit a stop condition (tokens after
+        the stop are dropped). `drafts` are the proposals for each request's next step.
+        Returns the requests that finished in this step."""
         finished = []
         for s in plan.scheduled:
             req = s.request
             if req.is_finished:
                 continue
+            tokens = sampled.get(req.request_id) or []
             req.num_computed_tokens = s.start + s.num_new_tokens
-            token = sampled.get(req.request_id)
-            if token is None:
-                continue
-            req.append_token(token)
-            req.last_token_time = self.clock()
-            status = stop_status(req, self.config.max_model_len)
-            if status is not None:
-                self.running.remove(req)
-                self._finish(req, status)
-                finished.append(req)
+            if s.draft_token_ids:
+                accepted = max(0, len(tokens) - 1)
+                self.spec_stats.record(len(s.draft_token_ids), accepted)
+                req.num_computed_tokens -= len(s.draft_token_ids) - accepted
+            req.draft_token_ids = (drafts or {}).get(req.request_id) or []
+            for token in tokens:
+                req.append_token(token)
+                req.last_token_time = self.clock()
+                status = stop_status(req, self.config.max_model_len)
+                if status is not None:
+                    self.running.remove(req)
+                    self._finish(req, status)
+                    finished.append(req)
+                    break
+            else:
+                if s.draft_token_ids:  # the rejected drafts' slots go back
+                    self.kv.trim(req, req.num_tokens)
         return finished
 
     # ---- helpers ---------------------------------------------------------------
@@ -322,6 +368,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.draft_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -344,6 +391,9 @@ class Scheduler:
         for r in self.running:
             assert r.status == RequestStatus.RUNNING
             assert len(r.block_ids) >= self.kv.blocks_for(r.num_computed_tokens)
+            # nobody holds slots past its tokens and drafts (rejected drafts' slots went back)
+            most = self.kv.blocks_for(r.num_tokens + len(r.draft_token_ids))
+            assert len(r.block_ids) <= most, f"{r} holds KV past its tokens"
         for r in self.reserved.values():
             assert r.status == RequestStatus.WAITING_FOR_KV
             assert len(r.block_ids) == self.kv.blocks_for(r.num_prompt_tokens)

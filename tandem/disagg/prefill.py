@@ -43,10 +43,10 @@ class KVSendingRunner:
             self.runner.on_layer_written = None
         for s in sends:
             req, rid = s.request, s.request.request_id
-            token = result.sampled.get(rid)
-            if rid not in failed and token is not None:
+            tokens, logprobs = result.sampled.get(rid), result.logprobs.get(rid)
+            if rid not in failed and tokens:
                 done = TransferDone(
-                    req.kv_transfer.remote_request_id, token, result.logprobs.get(rid)
+                    req.kv_transfer.remote_request_id, tokens[0], logprobs[0] if logprobs else None
                 )
                 try:
                     self.sender.send_done(req.kv_transfer.address, done)

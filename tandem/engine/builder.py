@@ -26,6 +26,8 @@ def build_engine(config: EngineConfig, clock=None):
     clock = clock or WallClock()
     cost = build_cost_model(config)  # before the model loads: a bad file fails at once
     loaded = build_model_runner(config)
+    if config.speculative_config is not None:
+        loaded.runner.proposer = build_proposer(config.speculative_config, config, loaded)
     kv = KVCacheManager(loaded.num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(
         SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, loaded.max_model_len),
@@ -36,7 +38,8 @@ def build_engine(config: EngineConfig, clock=None):
     )
     core = EngineCore(scheduler, loaded.runner, clock, loaded.model_config.eos_token_ids)
     log.info(
-        "engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d, scheduling %s",
+        "engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d, scheduling %s"
+        ", speculative decoding: %s",
         loaded.model_config.architecture,
         loaded.dtype,
         loaded.device,
@@ -44,8 +47,22 @@ def build_engine(config: EngineConfig, clock=None):
         config.block_size,
         loaded.max_model_len,
         config.scheduling_policy,
+        config.speculative_config.describe() if config.speculative_config else "off",
     )
     return core, loaded
+
+
+def build_proposer(spec, config: EngineConfig, loaded):
+    """The proposer of a SpeculativeConfig, for the runner to call after each step."""
+    if spec.method == "ngram":
+        from tandem.spec.ngram import NgramProposer
+
+        return NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+        )
+    from tandem.spec.draft_model import build_draft_proposer
+
+    return build_draft_proposer(spec, config, loaded)
 
 
 def build_cost_model(config: EngineConfig):

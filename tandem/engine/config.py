@@ -11,6 +11,8 @@ import argparse
 import os
 from dataclasses import dataclass, field, fields
 
+from tandem.spec.config import SpeculativeConfig
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
 # GiB for the KV cache when no flag sets it: vLLM's VLLM_CPU_KVCACHE_SPACE, under our name.
@@ -91,6 +93,13 @@ class EngineConfig:
         "decode role: seconds a reservation waits for its KV before it is given up (the "
         "request fails and its blocks go back)",
     )
+    speculative_config: SpeculativeConfig | None = _flag(
+        None,
+        'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": '
+        '4, "prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", '
+        '"model": PATH, "num_speculative_tokens": 4} (default: off)',
+        type=str,
+    )
     trust_remote_code: bool = _flag(
         False,
         "accepted for vLLM's scripts; no remote code is ever run (architectures are built in)",
@@ -100,6 +109,8 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")

@@ -84,13 +84,15 @@ class EngineCore:
         self.step_seconds = t2 - t1
         self.scheduler.observe_step(plan, t2 - t1)
         outputs = [_shed_output(r) for r in plan.shed] + self._fail(errors)
-        self.scheduler.update(plan, result.sampled)
+        before = {s.request.request_id: s.request.num_tokens for s in plan.scheduled}
+        self.scheduler.update(plan, result.sampled, result.drafts)
         for s in plan.scheduled:
             req = s.request
-            token = result.sampled.get(req.request_id)
-            if token is None or req.request_id in errors:
+            new = req.all_token_ids[before[req.request_id] :]  # a stop may have cut drafts
+            if not new or req.request_id in errors:
                 continue
-            outputs.append(self._output(req, token, result.logprobs.get(req.request_id)))
+            logprobs = result.logprobs.get(req.request_id)
+            outputs.append(self._output(req, new, logprobs[: len(new)] if logprobs else None))
         self.last_step_timings = {
             "schedule": t1 - t0,
             **(result.timings or {"execute": t2 - t1}),  # the runner's phases, if it has them
@@ -99,11 +101,11 @@ class EngineCore:
         return outputs
 
     @staticmethod
-    def _output(req: Request, token: int, logprobs) -> EngineCoreOutput:
-        first = req.num_output_tokens == 1
+    def _output(req: Request, tokens: list[int], logprobs) -> EngineCoreOutput:
+        first = req.num_output_tokens == len(tokens)
         return EngineCoreOutput(
             request_id=req.request_id,
-            new_token_ids=[token],
+            new_token_ids=tokens,
             logprobs=logprobs,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
@@ -128,6 +130,7 @@ class EngineCore:
                 continue
             merged.sampled.update(result.sampled)
             merged.logprobs.update(result.logprobs)
+            merged.drafts.update(result.drafts)
             errors.update(result.errors)
         return merged, errors
 
@@ -164,7 +167,7 @@ class EngineCore:
         """All of the prompt's KV is here: decode on from the token the sender sampled."""
         req = self.scheduler.commit(request_id, first_token)
         self.stalled = False
-        return [self._output(req, first_token, logprobs)]
+        return [self._output(req, [first_token], None if logprobs is None else [logprobs])]
 
     def fail_reserved(self, request_id: str, why: str) -> list[EngineCoreOutput]:
         """Give up a reservation whose KV will not come (or came wrong): its blocks go back
@@ -191,6 +194,7 @@ class EngineCore:
             prefix_cache_hits=kv.stats.hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_evicted_blocks=kv.num_evicted,
+            spec_decode=self.scheduler.spec_stats.copy(),
             step_seconds=self.step_seconds,
             predicted_step_seconds=self.predicted_step_seconds,
         )

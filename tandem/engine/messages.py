@@ -18,6 +18,7 @@ import msgspec
 from tandem.core.runner import TokenLogprobs
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.slo import DEFAULT_CLASS, SLOClass
+from tandem.spec.stats import SpecDecodeStats
 
 # Message kinds, server -> core: the first frame of a multipart message.
 ADD, RESERVE, ABORT, SHUTDOWN = b"add", b"reserve", b"abort", b"shutdown"
@@ -45,7 +46,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
-    logprobs: TokenLogprobs | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -72,6 +73,7 @@ class EngineStats:
     kv_transfer_failures: int = 0
     # seconds from reservation to commit of the transfers done since the last stats
     kv_transfer_seconds: list[float] = field(default_factory=list)
+    spec_decode: SpecDecodeStats | None = None  # cumulative; None: no speculation here
 
 
 class CoreReady(msgspec.Struct, tag="ready", array_like=True):

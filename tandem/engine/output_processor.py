@@ -149,8 +149,10 @@ class OutputProcessor:
                 parent.metrics.first_scheduled_time = out.first_scheduled_time
                 parent.num_cached_tokens = out.num_cached_tokens
             parent.metrics.last_token_time = now
-            for token in out.new_token_ids:
-                self._append(seq, token, out.logprobs)
+            for i, token in enumerate(out.new_token_ids):
+                self._append(seq, token, out.logprobs[i] if out.logprobs else None)
+                if seq.finish_reason is not None:
+                    break  # a stop string: the tokens after it are not output
             if seq.finish_reason is not None:  # a stop string ended it here
                 if out.finish_reason is None:
                     stopped.append(out.request_id)  # the core still runs it: stop it there

@@ -27,8 +27,10 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
     attn: AttentionMetadata
-    sample_index: torch.Tensor  # [S] long: flat index of each sampling row's last token
-    sample_rows: list[ScheduledRequest]  # the S rows that sample, in that order
+    # [P] long: flat index of each position that samples: a sampling row's last token, or
+    # with drafts its last 1 + len(drafts) tokens (the model's next token after each)
+    sample_index: torch.Tensor
+    sample_rows: list[ScheduledRequest]  # the rows that sample, in that order
 
 
 def prepare_inputs(
@@ -40,7 +42,7 @@ def prepare_inputs(
     ends = np.cumsum(lens)
 
     input_ids = np.fromiter(
-        (t for s in rows for t in s.request.all_token_ids[s.start : s.start + s.num_new_tokens]),
+        (t for s in rows for t in s.token_ids),
         dtype=np.int64,
         count=int(ends[-1]),
     )
@@ -63,7 +65,15 @@ def prepare_inputs(
             first = i
 
     sample_flags = [s.sample for s in rows]
-    sample_index = (ends - 1)[np.array(sample_flags, dtype=bool)]
+    sample_index = np.array(
+        [
+            i
+            for s, end in zip(rows, ends.tolist())
+            if s.sample
+            for i in range(end - 1 - len(s.draft_token_ids), end)
+        ],
+        dtype=np.int64,
+    )
     to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
     return StepInputs(
         input_ids=to(input_ids),

@@ -16,6 +16,7 @@ from tandem.model.packed_linear import pack_linears, packing_available
 from tandem.runner.input_batch import prepare_inputs
 from tandem.runner.kv_transfer import export_kv, export_layer, import_kv, import_layer
 from tandem.runner.sampler import Sampler
+from tandem.spec.proposer import ProposeRow
 
 
 class ModelRunner:
@@ -45,6 +46,8 @@ class ModelRunner:
         # Told each layer's index once its K/V for the step is written (a prefill instance
         # streams layers to the decode side with it); None: nobody listens.
         self.on_layer_written = None
+        # Guesses the tokens after each row's new ones (speculative decoding); None: no guesses.
+        self.proposer = None
 
     # ---- KV of a token range, layout-neutral (prefill/decode disaggregation) ---------------
     def export_kv(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
@@ -66,6 +69,8 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
         self.sampler.forget(plan.finished_ids)
+        if self.proposer is not None:
+            self.proposer.forget(plan.finished_ids)
         if plan.is_empty:
             return RunnerOutput()
         inputs = prepare_inputs(plan.scheduled, self.block_size, self.device)
@@ -78,18 +83,52 @@ class ModelRunner:
         timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": 0.0}
         if not inputs.sample_rows:
             return RunnerOutput(timings=timings)
-        reqs = [s.request for s in inputs.sample_rows]
-        result = self.sampler.sample(
-            logits,
-            [r.request_id for r in reqs],
-            [r.sampling_params for r in reqs],
-            [r.all_token_ids for r in reqs],
-            [r.num_prompt_tokens for r in reqs],
-        )
-        ids = [r.request_id for r in reqs]
+        sampled, logprobs = self._sample(logits, inputs.sample_rows)
         timings["sample"] = time.perf_counter() - t2
-        return RunnerOutput(
-            sampled=dict(zip(ids, result.token_ids)),
-            logprobs={rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None},
-            timings=timings,
-        )
+        drafts = {}
+        if self.proposer is not None:
+            drafts = self.proposer.propose(
+                [
+                    ProposeRow(s.request, sampled[s.request.request_id], len(s.draft_token_ids))
+                    for s in inputs.sample_rows
+                ]
+            )
+            timings["propose"] = time.perf_counter() - t2 - timings["sample"]
+        return RunnerOutput(sampled=sampled, logprobs=logprobs, timings=timings, drafts=drafts)
+
+    def _sample(self, logits: torch.Tensor, rows) -> tuple[dict, dict]:
+        """Sample every position of `rows` (logits: one per position), and keep for each row
+        its tokens up to and including the first that differs from its draft there."""
+        ids, params, histories, prompts = [], [], [], []
+        for s in rows:
+            r, drafts = s.request, s.draft_token_ids
+            for j in range(len(drafts) + 1):
+                ids.append(r.request_id)
+                params.append(r.sampling_params)
+                histories.append(r.all_token_ids + list(drafts[:j]) if j else r.all_token_ids)
+                prompts.append(r.num_prompt_tokens)
+        result = self.sampler.sample(logits, ids, params, histories, prompts)
+        sampled, logprobs, i = {}, {}, 0
+        for s in rows:
+            rid, drafts = s.request.request_id, s.draft_token_ids
+            targets = result.token_ids[i : i + len(drafts) + 1]
+            n = num_agreeing(targets, drafts) + 1
+            sampled[rid] = targets[:n]
+            if drafts:
+                self.sampler.keep(rid, n)
+            if result.logprobs[i] is not None:
+                logprobs[rid] = result.logprobs[i : i + n]
+            i += len(drafts) + 1
+        return sampled, logprobs
+
+
+def num_agreeing(targets: list[int], drafts) -> int:
+    """How many drafts, from the first, equal the token sampled at their position. Sampling
+    each position as plain decoding does and keeping this prefix yields exactly the tokens of
+    plain decoding. For a proposer that names one token (a point mass, as n-gram lookup and
+    greedy drafting do) this is the rejection rule of Leviathan et al.: the draft is accepted
+    with probability p(draft), and a rejected one is replaced by a sample of p without it."""
+    n = 0
+    while n < len(drafts) and targets[n] == drafts[n]:
+        n += 1
+    return n

@@ -5,6 +5,12 @@ logits; greedy rows take the argmax; random rows apply temperature, min_p, top_k
 and draw with the exponential race (argmax of probs / Exp(1) noise), which is a categorical
 sample. A seeded request draws its noise from its own generator, so its tokens do not depend
 on what else is in the batch.
+
+With speculative decoding a request has one row per drafted position, its token history
+extended by the drafts before it; plain sampling of each row gives the token the model would
+produce there, and the runner keeps the rows up to the first draft it disagrees with. A
+seeded request's generator is then rewound to just after the rows kept (`keep`), so it draws
+exactly the noise it would without speculation.
 """
 
 from __future__ import annotations
@@ -28,10 +34,19 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._seeded: dict[str, torch.Generator] = {}
+        # generator states before each row of a request sampled at several positions
+        self._states: dict[str, list[torch.Tensor]] = {}
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._seeded.pop(rid, None)
+
+    def keep(self, request_id: str, num_rows: int) -> None:
+        """Of the request's rows in the last sample(), only the first num_rows yield tokens:
+        its generator goes back to where it stood after drawing for those."""
+        states = self._states.pop(request_id, None)
+        if states is not None and num_rows < len(states):
+            self._seeded[request_id].set_state(states[num_rows])
 
     def sample(
         self,
@@ -41,6 +56,7 @@ class Sampler:
         token_ids: list[list[int]],  # per row: prompt + output so far
         num_prompt_tokens: list[int],
     ) -> SampleResult:
+        self._states = {}
         num_lp = [p.logprobs for p in params]
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1) if any(n is not None for n in num_lp) else None
@@ -93,6 +109,7 @@ class Sampler:
             logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        several = len(set(request_ids)) < len(request_ids)  # speculative rows
         for i, (rid, p) in enumerate(zip(request_ids, params)):
             if p.seed is not None:
                 gen = self._seeded.get(rid)
@@ -100,6 +117,8 @@ class Sampler:
                     gen = self._seeded[rid] = torch.Generator(device=self.device).manual_seed(
                         p.seed
                     )
+                if several:
+                    self._states.setdefault(rid, []).append(gen.get_state())
                 noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
 

@@ -92,9 +92,24 @@ class Metrics:
         self.kv_seconds = self._histogram(
             "kv_transfer_seconds", "Seconds from a reservation to its commit", _TTFT_BUCKETS
         )
+        # speculative decoding (zero without it), as vLLM's spec_decode_* counters
+        self.spec_drafts = self._counter("spec_decode_num_drafts", "Rows verified with drafts")
+        self.spec_draft_tokens = self._counter(
+            "spec_decode_num_draft_tokens", "Draft tokens verified"
+        )
+        self.spec_accepted = self._counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens the target model accepted"
+        )
+        self.spec_per_pos = Counter(
+            "tandem:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens, by position in the draft",
+            [*_LABELS, "position"],
+            registry=self.registry,
+        )
+        self._spec_per_pos: list[int] = []
         self._slo: dict[str, SLOClass] = {}
         self._last_token_time: dict[str, float] = {}
-        self._engine_totals = (0,) * 7  # the core's cumulative counters seen so far
+        self._engine_totals = (0,) * 10  # the core's cumulative counters seen so far
 
     def _gauge(self, name: str, doc: str):
         return Gauge(f"tandem:{name}", doc, _LABELS, registry=self.registry).labels(*self._labels)
@@ -123,6 +138,7 @@ class Metrics:
             stats.kv_bytes_received,
             stats.kv_cached_tokens,
             stats.kv_transfer_failures,
+            *_spec_totals(stats),
         )
         counters = (
             self.prefix_queries,
@@ -132,11 +148,19 @@ class Metrics:
             self.kv_received,
             self.kv_cached,
             self.kv_failures,
+            self.spec_drafts,
+            self.spec_draft_tokens,
+            self.spec_accepted,
         )
         for counter, new, old in zip(counters, totals, self._engine_totals):
             if new > old:
                 counter.inc(new - old)
         self._engine_totals = totals
+        per_pos = stats.spec_decode.accepted_per_pos if stats.spec_decode else []
+        for pos, new in enumerate(per_pos):
+            old = self._spec_per_pos[pos] if pos < len(self._spec_per_pos) else 0
+            self.spec_per_pos.labels(*self._labels, str(pos)).inc(max(0, new - old))
+        self._spec_per_pos = list(per_pos)
         for seconds in stats.kv_transfer_seconds:
             self.kv_seconds.observe(seconds)
         self.step_time.set(stats.step_seconds)
@@ -193,3 +217,10 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _spec_totals(stats: EngineStats) -> tuple[int, int, int]:
+    spec = stats.spec_decode
+    if spec is None:
+        return (0, 0, 0)
+    return (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)

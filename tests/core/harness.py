@@ -39,6 +39,11 @@ class Harness:
         # request reading a slot must find exactly its own prefix, else it would attend to
         # someone else's keys.
         self.kv_content: dict[tuple[int, int], tuple[int, ...]] = {}
+        # Speculative decoding: the fake model's verdict on a row with drafts (its new
+        # tokens: accepted drafts, then one more) and the fake proposer (drafts for a request
+        # after its new tokens); None: every row samples `next_token`, nobody drafts.
+        self.verify = None
+        self.propose = None
 
     def add(self, prompt, max_tokens=4, priority=0, slo=None, **params) -> Request:
         if isinstance(prompt, int):
@@ -51,27 +56,42 @@ class Harness:
         self.clock.advance(0.001)
         return req
 
-    def step(self, sampled: dict[str, int] | None = None) -> tuple[SchedulerOutput, list[Request]]:
+    def step(
+        self, sampled: dict[str, int | list[int]] | None = None, drafts=None
+    ) -> tuple[SchedulerOutput, list[Request]]:
         """One step; every request reaching its last token samples `next_token` unless
-        `sampled` says otherwise. Invariants are checked before and after."""
+        `sampled` says otherwise (a list: accepted drafts and one more); `drafts` are the
+        proposals for the next step. Invariants are checked before and after."""
         self.sched.check_invariants()
         plan = self.sched.schedule()
         self.sched.check_invariants()
         self._write_kv(plan)
         for s in plan.scheduled:
-            self.assert_kv_correct(s.request, s.start + s.num_new_tokens)
-        tokens = {s.request.request_id: self.next_token for s in plan.scheduled if s.sample}
-        tokens.update(sampled or {})
+            self.assert_kv_correct(s.request, s.start + s.num_new_tokens - len(s.draft_token_ids))
+        tokens = {
+            s.request.request_id: self.verify(s)
+            if self.verify and s.draft_token_ids
+            else [self.next_token]
+            for s in plan.scheduled
+            if s.sample
+        }
+        if self.propose is not None and drafts is None:
+            drafts = {
+                rid: self.propose(self.sched.requests[rid], new) for rid, new in tokens.items()
+            }
+        tokens.update(
+            {rid: t if isinstance(t, list) else [t] for rid, t in (sampled or {}).items()}
+        )
         seconds = self.cost_model.predict(StepShape.of(plan.scheduled)) if self.cost_model else 0.01
         self.clock.advance(seconds)  # the step runs, then its tokens exist
-        finished = self.sched.update(plan, tokens)
+        finished = self.sched.update(plan, tokens, drafts)
         self.sched.check_invariants()
         return plan, finished
 
     def _write_kv(self, plan: SchedulerOutput) -> None:
         bs = self.kv.block_size
         for s in plan.scheduled:
-            toks = s.request.all_token_ids
+            toks = s.request.all_token_ids[: s.start] + s.token_ids  # drafts included
             for pos in range(s.start, s.start + s.num_new_tokens):
                 self.kv_content[(s.request.block_ids[pos // bs], pos % bs)] = tuple(toks[: pos + 1])
 

@@ -38,5 +38,5 @@ class ScriptedRunner:
             rid = s.request.request_id
             self.state.add(rid)
             if s.sample:
-                sampled[rid] = self.scripts[rid][s.request.num_output_tokens]
+                sampled[rid] = [self.scripts[rid][s.request.num_output_tokens]]
         return RunnerOutput(sampled)

@@ -140,6 +140,9 @@ def _launched(request, llama_path, tmp_path_factory):
         servers["fuzz"] = Server(
             llama_path, ["--max-model-len", "48", "--max-num-seqs", "16"], logs, "fuzz"
         )
+    if "spec_server" in wanted:  # n-gram speculative decoding
+        spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+        servers["spec"] = Server(llama_path, ["--speculative-config", spec], logs, "spec")
     if "draining_server" in wanted:
         servers["draining"] = Server(llama_path, ["--shutdown-timeout", "120"], logs, "draining")
     yield servers
@@ -165,6 +168,12 @@ def guarded_server(_launched) -> Server:
 def fuzz_server(_launched) -> Server:
     """--max-model-len 48, for the API fuzzer."""
     return _launched["fuzz"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def spec_server(_launched) -> Server:
+    """--speculative-config with n-gram lookup, 4 tokens a draft."""
+    return _launched["spec"].wait_ready()
 
 
 @pytest.fixture(scope="session")
