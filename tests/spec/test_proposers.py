@@ -50,18 +50,23 @@ def test_ngram_proposer_tracks_each_requests_tokens_across_steps():
 
 
 def test_backoff_grows_on_full_acceptance_and_pauses_after_misses_in_a_row():
-    b = Backoff(4)
-    assert b.allowed() == 4
-    b.observe(4, 1)
+    b = Backoff(8)
+    assert b.allowed() == 8
+    b.observe(8, 1)
     assert b.allowed() == 2  # what was accepted, plus one
     b.observe(2, 2)
-    assert b.allowed() == 3
-    b.observe(3, 0)
-    assert b.allowed() == 1  # halved, no pause after one miss
-    b.observe(1, 0)  # a second miss in a row: pause
+    assert b.allowed() == 4  # doubled
+    b.observe(4, 0)
+    b.observe(2, 0)
+    assert b.allowed() == 1  # halved twice, no pause yet
+    b.observe(1, 0)  # a third miss in a row: pause
     assert [b.allowed() for _ in range(3)] == [0, 0, 1]
     b.observe(1, 0)
     assert [b.allowed() for _ in range(5)] == [0, 0, 0, 0, 1]  # the pause doubles
+    for _ in range(10):
+        b.observe(1, 0)
+    assert b.pause == 16  # up to max_pause
+    b.pause = 0
     b.observe(1, 1)
     assert b.allowed() == 2 and b.misses == 0
 
