@@ -3,7 +3,7 @@
 from tandem.core.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput", "__version__"]
 
 
 def __getattr__(name: str):
@@ -12,6 +12,10 @@ def __getattr__(name: str):
         from tandem.engine.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from tandem.lora.request import LoRARequest
+
+        return LoRARequest
     if name in ("RequestOutput", "CompletionOutput"):
         from tandem.engine import outputs
 

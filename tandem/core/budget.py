@@ -103,3 +103,35 @@ class TimeBudget(TokenBudget):
         kv = self._reserved.pop(request.request_id, None)
         if kv is not None:
             self.shape = self.shape.plus(decode_rows=-1, kv_tokens=-kv)
+
+
+class AdapterLimit:
+    """Another budget, and at most `max_loras` distinct LoRA adapters in the step (the runner
+    has that many slots): a request of one more adapter gets nothing this step. Base-model
+    requests (adapter 0) never count."""
+
+    def __init__(self, inner: StepBudget, max_loras: int) -> None:
+        self.inner, self.max_loras = inner, max_loras
+        self.adapters: set[int] = set()
+
+    @property
+    def exhausted(self) -> bool:
+        return self.inner.exhausted
+
+    def fit(self, request: Request, start: int, wanted: int) -> int:
+        lid = request.lora_id
+        if lid and lid not in self.adapters and len(self.adapters) >= self.max_loras:
+            return 0
+        return self.inner.fit(request, start, wanted)
+
+    def spend(self, request: Request, start: int, n: int) -> None:
+        if request.lora_id:
+            self.adapters.add(request.lora_id)
+        self.inner.spend(request, start, n)
+
+    def release(self, request: Request) -> None:
+        self.inner.release(request)
+
+
+def limit_adapters(budget: StepBudget, max_loras: int | None) -> StepBudget:
+    return budget if max_loras is None else AdapterLimit(budget, max_loras)

@@ -75,7 +75,7 @@ class KVCacheManager:
         if self.cache is None:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
-        return self.cache.match(request.all_token_ids, max_blocks)
+        return self.cache.match(_keyed(request, request.all_token_ids), max_blocks)
 
     def record_lookup(self, num_queried: int, num_hit: int) -> None:
         self.stats.queries += num_queried
@@ -145,7 +145,8 @@ class KVCacheManager:
         while not cursor.stopped and cursor.num_blocks < num_tokens // bs:
             i = cursor.num_blocks
             block_id = request.block_ids[i]
-            node = self.cache.insert(cursor.node, tuple(tokens[i * bs : (i + 1) * bs]), block_id)
+            key = tuple(_keyed(request, tokens[i * bs : (i + 1) * bs]))
+            node = self.cache.insert(cursor.node, key, block_id)
             if node.block_id != block_id:
                 cursor.stopped = True
                 break
@@ -206,3 +207,13 @@ class KVCacheManager:
             for b in r.block_ids:
                 holders[b] += 1
         assert holders == self.pool.ref_cnt, "block refs differ from the requests holding them"
+
+
+def _keyed(request: Request, tokens: list[int]) -> list[int]:
+    """The tokens as the radix tree keys them: a LoRA adapter's KV differs from the base
+    model's for the same tokens, so its keys are moved past every token id (ids are below
+    2**32), and two adapters (or an adapter and the base) never share a block."""
+    if not request.lora_id:
+        return tokens
+    salt = request.lora_id << 32
+    return [t + salt for t in tokens]

@@ -72,6 +72,7 @@ class Request:
         # step computes them too and keeps those the model agrees with. Never in
         # all_token_ids until verified.
         self.draft_token_ids: list[int] = []
+        self.lora_id = 0  # the LoRA adapter it runs with (0: the base model)
 
     @property
     def num_tokens(self) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from tandem.core.budget import StepBudget
+from tandem.core.budget import StepBudget, limit_adapters
 from tandem.core.cost_model import StepShape
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.policy import BatchPolicy, FCFSBatch
@@ -25,6 +25,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
+    max_loras: int | None = None  # most LoRA adapters in one step (None: LoRA is off)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -228,7 +229,7 @@ class Scheduler:
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         out.shed = self.batch.prepare(self)  # may shed or demote requests past their SLO
-        self._fill(out, self.batch.budget(self))
+        self._fill(out, limit_adapters(self.batch.budget(self), self.config.max_loras))
         return out
 
     def _fill(self, out: SchedulerOutput, budget: StepBudget) -> None:

@@ -26,11 +26,18 @@ def build_engine(config: EngineConfig, clock=None):
     clock = clock or WallClock()
     cost = build_cost_model(config)  # before the model loads: a bad file fails at once
     loaded = build_model_runner(config)
+    if config.enable_lora:
+        loaded.runner.enable_lora(config.max_loras, config.max_lora_rank)
     if config.speculative_config is not None:
         loaded.runner.proposer = build_proposer(config.speculative_config, config, loaded)
     kv = KVCacheManager(loaded.num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(
-        SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, loaded.max_model_len),
+        SchedulerConfig(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            loaded.max_model_len,
+            config.max_loras if config.enable_lora else None,
+        ),
         kv,
         clock,
         build_batch_policy(config.scheduling_policy, cost),
@@ -39,7 +46,7 @@ def build_engine(config: EngineConfig, clock=None):
     core = EngineCore(scheduler, loaded.runner, clock, loaded.model_config.eos_token_ids)
     log.info(
         "engine ready: %s, %s on %s, %d KV blocks of %d tokens, max_model_len %d, scheduling %s"
-        ", speculative decoding: %s",
+        ", speculative decoding: %s, LoRA: %s",
         loaded.model_config.architecture,
         loaded.dtype,
         loaded.device,
@@ -48,6 +55,9 @@ def build_engine(config: EngineConfig, clock=None):
         loaded.max_model_len,
         config.scheduling_policy,
         config.speculative_config.describe() if config.speculative_config else "off",
+        f"{config.max_loras} slots, rank <= {config.max_lora_rank}"
+        if config.enable_lora
+        else "off",
     )
     return core, loaded
 

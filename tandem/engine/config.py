@@ -100,6 +100,9 @@ class EngineConfig:
         '"model": PATH, "num_speculative_tokens": 4} (default: off)',
         type=str,
     )
+    enable_lora: bool = _flag(False, "serve LoRA adapters (PEFT format) beside the base model")
+    max_loras: int = _flag(1, "with --enable-lora: most adapters in one step (adapter slots)")
+    max_lora_rank: int = _flag(16, "with --enable-lora: the largest adapter rank accepted")
     trust_remote_code: bool = _flag(
         False,
         "accepted for vLLM's scripts; no remote code is ever run (architectures are built in)",
@@ -141,6 +144,10 @@ class EngineConfig:
             raise ValueError(
                 f"kv_transfer_timeout must be > 0 (seconds), got {self.kv_transfer_timeout!r}"
             )
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not (isinstance(self.max_logprobs, int) and self.max_logprobs >= 0):
             raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):

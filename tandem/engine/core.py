@@ -39,9 +39,12 @@ class EngineCore:
         self.stalled = False
         self.last_step_timings: dict[str, float] = {}  # seconds per phase, on `clock`
         self.step_seconds, self.predicted_step_seconds = 0.0, None
+        self.lora_ids: set[int] = set()  # adapters the runner holds
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
+        if req.lora_id and req.lora_id not in self.lora_ids:
+            raise ValueError(f"lora: adapter {req.lora_id} is not loaded")
         self.scheduler.add_request(self._request(req))
         self.stalled = False
 
@@ -55,6 +58,7 @@ class EngineCore:
             req.request_id, req.prompt_token_ids, params, req.arrival_time, req.priority, slo
         )
         request.kv_transfer = req.kv_transfer
+        request.lora_id = req.lora_id
         return request
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -198,6 +202,19 @@ class EngineCore:
             step_seconds=self.step_seconds,
             predicted_step_seconds=self.predicted_step_seconds,
         )
+
+    # ---- LoRA adapters ------------------------------------------------------------------
+    def add_lora(self, lora_id: int, weights) -> None:
+        """Register an adapter the runner read (`runner.read_lora(path)`), under its id."""
+        self.runner.add_lora(lora_id, weights)
+        self.lora_ids.add(lora_id)
+
+    def remove_lora(self, lora_id: int) -> None:
+        users = sum(r.lora_id == lora_id for r in self.scheduler.requests.values())
+        if users:
+            raise ValueError(f"lora: adapter {lora_id} is in use by {users} request(s)")
+        self.runner.remove_lora(lora_id)
+        self.lora_ids.discard(lora_id)
 
     def reset_prefix_cache(self) -> int:
         return self.scheduler.kv.reset_prefix_cache()

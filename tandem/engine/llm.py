@@ -11,6 +11,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.tokenizer import apply_chat_template, load_tokenizer
+from tandem.lora.request import LoRARequest
 
 PromptType = str | list[int]
 
@@ -38,18 +39,21 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """priority: one per prompt, lower is more urgent (with scheduling_policy="priority"
-        or "slo"), as vLLM's."""
+        or "slo"), as vLLM's. lora_request: the adapter for every prompt, or one per prompt
+        (None: the base model); loaded on first use (enable_lora=True)."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
+        loras = self._lora_ids(lora_request, len(prompts))
         priority = list(priority) if priority is not None else [0] * len(prompts)
         if len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} for {len(prompts)} prompts")
         tokenized = [self._tokenize(p) for p in prompts]
         for ids, p in zip(tokenized, params):  # check everything before adding anything
             self._check_fits(ids, p)
-        return self._run(list(zip(prompts, tokenized, params, priority)), use_tqdm)
+        return self._run(list(zip(prompts, tokenized, params, priority, loras)), use_tqdm)
 
     def chat(
         self,
@@ -79,18 +83,36 @@ class LLM:
             )
         return list(prompt)
 
+    def _lora_ids(self, lora_request, n: int) -> list[int]:
+        """Each prompt's adapter id, loading adapters not seen before."""
+        if lora_request is None:
+            return [0] * n
+        loras = [lora_request] * n if isinstance(lora_request, LoRARequest) else list(lora_request)
+        if len(loras) != n:
+            raise ValueError(f"lora_request: got {len(loras)} for {n} prompts")
+        for lora in loras:
+            if lora is None or lora.lora_int_id in self.engine.lora_ids:
+                continue
+            if not self.config.enable_lora:
+                raise ValueError("lora_request: LoRA is not enabled (LLM(..., enable_lora=True))")
+            self.engine.add_lora(lora.lora_int_id, self.engine.runner.read_lora(lora.lora_path))
+        return [lora.lora_int_id if lora else 0 for lora in loras]
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.engine.remove_lora(lora_int_id)
+
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
         params.check_for_model(self.model_config.vocab_size, self.config.max_logprobs)
         self.engine.scheduler.check_request(len(ids), params.max_tokens)
 
     def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
         order = []
-        for prompt, ids, params, priority in items:
+        for prompt, ids, params, priority, lora_id in items:
             rid = str(next(self._ids))
             order.append(rid)
             text = prompt if isinstance(prompt, str) else None
             for creq in self.processor.add_request(
-                rid, text, ids, params, self.engine.clock(), priority
+                rid, text, ids, params, self.engine.clock(), priority, lora_id=lora_id
             ):
                 self.engine.add_request(creq)
         bar = _progress(len(items), use_tqdm)

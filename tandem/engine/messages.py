@@ -41,6 +41,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     priority: int = 0
     slo: SLOClass = DEFAULT_CLASS  # its class and targets, resolved by the front end
     kv_transfer: KVTransferParams | None = None  # prefill here, decode elsewhere
+    lora_id: int = 0  # the LoRA adapter to run with (0: the base model)
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -83,6 +83,7 @@ class OutputProcessor:
         arrival_time: float,
         priority: int = 0,
         slo: SLOClass = DEFAULT_CLASS,
+        lora_id: int = 0,
     ) -> list[EngineCoreRequest]:
         """Register a request; return the core requests for its n samples."""
         if request_id in self._parents:
@@ -103,7 +104,9 @@ class OutputProcessor:
             seqs.append(seq)
             cid = child_request_id(request_id, i, params.n)
             core_requests.append(
-                EngineCoreRequest(cid, prompt_token_ids, child, arrival_time, priority, slo)
+                EngineCoreRequest(
+                    cid, prompt_token_ids, child, arrival_time, priority, slo, lora_id=lora_id
+                )
             )
         parent = _Parent(request_id, prompt, prompt_token_ids, seqs, RequestMetrics(arrival_time))
         self._parents[request_id] = parent

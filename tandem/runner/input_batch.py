@@ -31,6 +31,7 @@ class StepInputs:
     # with drafts its last 1 + len(drafts) tokens (the model's next token after each)
     sample_index: torch.Tensor
     sample_rows: list[ScheduledRequest]  # the rows that sample, in that order
+    token_lora_ids: np.ndarray | None = None  # [T] each token's LoRA adapter (None: none)
 
 
 def prepare_inputs(
@@ -64,6 +65,8 @@ def prepare_inputs(
             groups.append(_group(tokens, starts[g], lens[g], tables[g], block_size, device))
             first = i
 
+    lora_ids = [s.request.lora_id for s in rows]
+    token_lora_ids = np.repeat(np.array(lora_ids), lens) if any(lora_ids) else None
     sample_flags = [s.sample for s in rows]
     sample_index = np.array(
         [
@@ -81,6 +84,7 @@ def prepare_inputs(
         attn=AttentionMetadata(slot_mapping=to(slots), groups=groups),
         sample_index=to(sample_index),
         sample_rows=[s for s, f in zip(rows, sample_flags) if f],
+        token_lora_ids=token_lora_ids,
     )
 
 

@@ -10,6 +10,7 @@ import torch
 from tandem.core.model_config import ModelConfig
 from tandem.core.runner import RunnerOutput
 from tandem.core.scheduler import SchedulerOutput
+from tandem.lora.layers import lora_context
 from tandem.model import kernels
 from tandem.model.attention import attention_fn, forward_context
 from tandem.model.packed_linear import pack_linears, packing_available
@@ -48,6 +49,26 @@ class ModelRunner:
         self.on_layer_written = None
         # Guesses the tokens after each row's new ones (speculative decoding); None: no guesses.
         self.proposer = None
+        self.lora = None  # a LoRAManager when LoRA is enabled (enable_lora)
+
+    # ---- LoRA adapters ---------------------------------------------------------------
+    def enable_lora(self, max_loras: int, max_rank: int) -> None:
+        from tandem.lora.manager import LoRAManager
+
+        dtype = self.kv_cache.dtype
+        self.lora = LoRAManager(self.model, self.cfg, max_loras, max_rank, dtype, self.device)
+
+    def read_lora(self, path: str):
+        """Read and check an adapter's files; safe to call off the step loop."""
+        if self.lora is None:
+            raise ValueError("lora: LoRA is not enabled (enable_lora)")
+        return self.lora.read(path)
+
+    def add_lora(self, lora_id: int, weights) -> None:
+        self.lora.add(lora_id, weights)
+
+    def remove_lora(self, lora_id: int) -> None:
+        self.lora.remove(lora_id)
 
     # ---- KV of a token range, layout-neutral (prefill/decode disaggregation) ---------------
     def export_kv(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
@@ -76,7 +97,8 @@ class ModelRunner:
         inputs = prepare_inputs(plan.scheduled, self.block_size, self.device)
         inputs.attn.on_layer_written = self.on_layer_written
         t1 = time.perf_counter()
-        with forward_context(inputs.attn):
+        lora = self.lora.context(inputs.token_lora_ids) if self.lora else None
+        with forward_context(inputs.attn), lora_context(lora):
             hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
             logits = self.model.compute_logits(hidden[inputs.sample_index])  # [S, vocab]
         t2 = time.perf_counter()

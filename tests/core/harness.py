@@ -45,13 +45,14 @@ class Harness:
         self.verify = None
         self.propose = None
 
-    def add(self, prompt, max_tokens=4, priority=0, slo=None, **params) -> Request:
+    def add(self, prompt, max_tokens=4, priority=0, slo=None, lora_id=0, **params) -> Request:
         if isinstance(prompt, int):
             prompt = list(range(100, 100 + prompt))
         sp = SamplingParams(max_tokens=max_tokens, eos_token_ids=(EOS,), **params)
         rid = f"r{next(self._ids)}"
         extra = {"slo": slo} if slo is not None else {}
         req = Request(rid, prompt, sp, arrival_time=self.clock(), priority=priority, **extra)
+        req.lora_id = lora_id
         self.sched.add_request(req)
         self.clock.advance(0.001)
         return req

@@ -1,0 +1,124 @@
+"""LoRAManager: the adapters a runner knows (in host memory) and the `max_loras` slots the
+model computes with. A step's adapters are put in slots before it runs: a free slot, else
+the least recently used one no request of this step needs (its adapter stays in host memory
+and comes back when asked for). The scheduler keeps a step within max_loras adapters."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tandem.core.model_config import ModelConfig
+from tandem.lora.adapter import AdapterWeights, load_adapter, shard_shapes
+from tandem.lora.layers import LoRAContext, LoRALinear
+
+# A slot with more tokens than this in a step (a prefill chunk) is computed on its own;
+# the rest share two batched matmuls, padded to the busiest of them.
+GROUP_MIN_TOKENS = 8
+
+
+class LoRAManager:
+    def __init__(self, model, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device):
+        self.cfg, self.max_loras, self.max_rank = cfg, max_loras, max_rank
+        self.modules: dict[tuple[int, str], LoRALinear] = {}
+        shapes = shard_shapes(cfg)
+        for i, layer in enumerate(model.model.layers):
+            for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                                 (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):  # fmt: skip
+                outs = [out for _, out in shapes[name]]
+                wrapped = LoRALinear(
+                    getattr(parent, name), outs, max_loras, max_rank, dtype, device
+                )
+                setattr(parent, name, wrapped)
+                self.modules[(i, name)] = wrapped
+        self.adapters: dict[int, AdapterWeights] = {}
+        self.slot_of: dict[int, int] = {}  # adapter id -> slot
+        self._lru: OrderedDict[int, None] = OrderedDict()  # adapter ids in slots, oldest first
+
+    # ---- the adapters known -------------------------------------------------------
+    def read(self, path: str | Path) -> AdapterWeights:
+        """Read and check an adapter's files (no state changes: safe off the step loop)."""
+        return load_adapter(path, self.cfg, self.max_rank)
+
+    def add(self, lora_id: int, weights: AdapterWeights) -> None:
+        self.remove(lora_id)
+        self.adapters[lora_id] = weights
+
+    def remove(self, lora_id: int) -> None:
+        self.adapters.pop(lora_id, None)
+        slot = self.slot_of.pop(lora_id, None)
+        if slot is not None:
+            del self._lru[lora_id]
+            self._load(slot, None)
+
+    # ---- a step ----------------------------------------------------------------------
+    def context(self, token_lora_ids: np.ndarray | None) -> LoRAContext | None:
+        """The step's LoRA layout for tokens of these adapter ids (0: the base model)."""
+        if token_lora_ids is None:
+            return None
+        ids = [int(i) for i in np.unique(token_lora_ids) if i != 0]
+        if not ids:
+            return None
+        self._activate(ids)
+        padded, groups = [], []
+        for lid in ids:
+            idx = np.flatnonzero(token_lora_ids == lid)
+            slot = self.slot_of[lid]
+            if len(idx) > GROUP_MIN_TOKENS:
+                groups.append((slot, torch.from_numpy(idx)))
+            else:
+                padded.append((slot, idx))
+        pad_slots = pad_index = pad_valid = None
+        if padded:
+            # All slots in order when most are used (no copy of their weights), else the used.
+            slots = (
+                list(range(self.max_loras))
+                if 2 * len(padded) >= self.max_loras
+                else sorted(s for s, _ in padded)
+            )
+            row = {s: r for r, s in enumerate(slots)}
+            m = max(len(idx) for _, idx in padded)
+            index = np.full((len(slots), m), len(token_lora_ids), dtype=np.int64)
+            for slot, idx in padded:
+                index[row[slot], : len(idx)] = idx
+            pad_index = torch.from_numpy(index)
+            pad_valid = pad_index.flatten() < len(token_lora_ids)
+            if len(slots) < self.max_loras:
+                pad_slots = torch.tensor(slots)
+        return LoRAContext(pad_slots, pad_index, pad_valid, groups)
+
+    def _activate(self, ids: list[int]) -> None:
+        if len(ids) > self.max_loras:
+            raise RuntimeError(f"a step uses {len(ids)} adapters; max_loras is {self.max_loras}")
+        for lid in ids:
+            if lid in self.slot_of:
+                self._lru.move_to_end(lid)
+                continue
+            if lid not in self.adapters:
+                raise RuntimeError(f"adapter {lid} is not loaded")
+            used = set(self.slot_of.values())
+            free = [s for s in range(self.max_loras) if s not in used]
+            if free:
+                slot = free[0]
+            else:  # evict the least recently used adapter this step does not need
+                victim = next(v for v in self._lru if v not in ids)
+                slot = self.slot_of.pop(victim)
+                del self._lru[victim]
+            self._load(slot, self.adapters[lid])
+            self.slot_of[lid] = slot
+            self._lru[lid] = None
+
+    def _load(self, slot: int, weights: AdapterWeights | None) -> None:
+        for (layer, name), module in self.modules.items():
+            for shard in range(len(module.shard_outs)):
+                pair = weights.pairs.get((layer, name, shard)) if weights else None
+                a, b = pair if pair else (None, None)
+                module.set_slot(slot, shard, a, b)
+
+    def check_invariants(self) -> None:
+        assert len(self.slot_of) <= self.max_loras
+        assert set(self.slot_of) == set(self._lru) and set(self.slot_of) <= set(self.adapters)
+        assert len(set(self.slot_of.values())) == len(self.slot_of), "a slot holds two adapters"
