@@ -30,8 +30,10 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.messages import (
     ABORT,
     ADD,
+    LOAD_LORA,
     RESERVE,
     SHUTDOWN,
+    UNLOAD_LORA,
     CoreFailed,
     CoreMessage,
     CoreOutputs,
@@ -39,6 +41,7 @@ from tandem.engine.messages import (
     EngineCoreOutput,
     EngineStats,
     KVTransferParams,
+    LoRAOp,
 )
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.outputs import RequestOutput
@@ -198,6 +201,7 @@ class AsyncLLM:
         self.on_dead: Callable[[str], None] | None = None  # the server exits on it
         self.stats: EngineStats | None = None
         self.dead: str | None = None  # why the core died, once it has
+        self._lora_ops: dict[str, asyncio.Future] = {}  # LoRA loads and unloads in flight
         self._collectors: dict[str, _Collector] = {}
         self._unscheduled: set[str] = set()  # child ids sent to the core, no token yet
         self._reservations: dict[str, asyncio.Future] = {}  # child id -> held tokens
@@ -291,6 +295,7 @@ class AsyncLLM:
         slo: SLOClass = DEFAULT_CLASS,
         remote_prefill: bool = False,
         kv_transfer: list[KVTransferParams] | None = None,
+        lora_id: int = 0,
     ) -> RequestStream:
         """Send the request to the core now; iterate the stream for its outputs.
 
@@ -305,8 +310,9 @@ class AsyncLLM:
             )
         request_id = request_id or uuid.uuid4().hex
         core_requests = self.processor.add_request(
-            request_id, prompt, prompt_token_ids, params, time.monotonic(), priority, slo
-        )
+            request_id, prompt, prompt_token_ids, params, time.monotonic(), priority, slo,
+            lora_id=lora_id,
+        )  # fmt: skip
         for creq, transfer in zip(core_requests, kv_transfer or ()):
             creq.kv_transfer = transfer
         try:  # built whole before anything is registered or sent: a failure leaves no trace
@@ -342,6 +348,23 @@ class AsyncLLM:
             future.exception()  # retrieved: nobody may be awaiting it any more
         else:
             future.set_result(result)
+
+    # ---- LoRA adapters --------------------------------------------------------------------
+    async def load_lora(self, lora_id: int, path: str) -> None:
+        """Have the core read and register an adapter; a ValueError says why it could not."""
+        await self._lora_op(LOAD_LORA, LoRAOp(uuid.uuid4().hex, lora_id, path))
+
+    async def unload_lora(self, lora_id: int) -> None:
+        await self._lora_op(UNLOAD_LORA, LoRAOp(uuid.uuid4().hex, lora_id))
+
+    async def _lora_op(self, kind: bytes, op: LoRAOp) -> None:
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        future = self._lora_ops[op.op_id] = asyncio.get_running_loop().create_future()
+        self._send(kind, self._encoder.encode(op))
+        error = await future
+        if error:
+            raise ValueError(error)
 
     def abort(self, request_id: str) -> None:
         ids = self.processor.child_ids(request_id)
@@ -382,6 +405,10 @@ class AsyncLLM:
             self.stats = msg.stats
             if self.observer is not None:
                 self.observer.on_stats(msg.stats)
+        for op_id, error in msg.lora_results:
+            future = self._lora_ops.pop(op_id, None)
+            if future is not None and not future.done():
+                future.set_result(error)
         for child_id, held in msg.reserved:
             self._resolve_reservation(child_id, held)
         for child_id, reason in msg.rejected:
@@ -428,6 +455,10 @@ class AsyncLLM:
         self.dead = reason
         for child_id in list(self._reservations):
             self._resolve_reservation(child_id, EngineDeadError(reason))
+        for future in self._lora_ops.values():
+            if not future.done():
+                future.set_result(f"the engine is dead: {reason}")
+        self._lora_ops.clear()
         for collector in self._collectors.values():
             collector.fail(EngineDeadError(reason))
         if self.on_dead is not None:

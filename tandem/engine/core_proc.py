@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 import zmq
@@ -29,18 +30,22 @@ import zmq
 from tandem.engine.messages import (
     ABORT,
     ADD,
+    LOAD_LORA,
     RESERVE,
     SHUTDOWN,
+    UNLOAD_LORA,
     CoreFailed,
     CoreOutputs,
     CoreReady,
     EngineCoreOutput,
     EngineCoreRequest,
+    LoRAOp,
 )
 
 log = logging.getLogger("tandem")
 
 _IDLE_POLL_MS = 500
+_LOAD_POLL_MS = 5
 
 
 class EngineCoreProc:
@@ -64,6 +69,12 @@ class EngineCoreProc:
         self.rejected: list[tuple[str, str]] = []
         self.reserved: list[tuple[str, int]] = []
         self.pending: list[EngineCoreOutput] = []  # committed or failed transfers
+        self.lora_decoder = msgspec.msgpack.Decoder(LoRAOp)
+        # Adapters being read off the step loop (their files, checked and converted), so a
+        # load never holds up the steps of other requests.
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
+        self.loading: dict[str, tuple[LoRAOp, Future]] = {}
+        self.lora_results: list[tuple[str, str]] = []
         self.stopping = False
 
     def run(self) -> None:
@@ -86,11 +97,13 @@ class EngineCoreProc:
                 if self.inbox in ready:
                     break
                 handled = self._take_kv() if self.kv is not None else 0
+                handled += self._finish_loads()
                 self._exit_if_orphaned()
         else:
             self._exit_if_orphaned()
         if self.kv is not None:
             handled += self._take_kv()
+        handled += self._finish_loads()
         while True:
             try:
                 frames = self.inbox.recv_multipart(zmq.NOBLOCK)
@@ -100,8 +113,22 @@ class EngineCoreProc:
             handled += 1
 
     def _wait_ms(self) -> int:
+        if self.loading:  # look again soon: a load may finish
+            return _LOAD_POLL_MS
         due = self.kv.next_deadline_in() if self.kv is not None else None
         return _IDLE_POLL_MS if due is None else max(1, min(_IDLE_POLL_MS, int(due * 1000) + 1))
+
+    def _finish_loads(self) -> int:
+        """Register the adapters whose files have been read; report every finished load."""
+        done = [op_id for op_id, (_, f) in self.loading.items() if f.done()]
+        for op_id in done:
+            op, future = self.loading.pop(op_id)
+            try:
+                self.core.add_lora(op.lora_id, future.result())
+                self.lora_results.append((op_id, ""))
+            except Exception as e:
+                self.lora_results.append((op_id, _reason(e)))
+        return len(done)
 
     def _take_kv(self) -> int:
         outputs = self.kv.poll()
@@ -129,6 +156,16 @@ class EngineCoreProc:
                 self.reserved.append((request.request_id, -1 if held is None else held))
             except Exception as e:
                 self.rejected.append((request.request_id, _reason(e)))
+        elif kind == LOAD_LORA:
+            op = self.lora_decoder.decode(frames[1])
+            self.loading[op.op_id] = (op, self.loader.submit(self.core.runner.read_lora, op.path))
+        elif kind == UNLOAD_LORA:
+            op = self.lora_decoder.decode(frames[1])
+            try:
+                self.core.remove_lora(op.lora_id)
+                self.lora_results.append((op.op_id, ""))
+            except Exception as e:
+                self.lora_results.append((op.op_id, _reason(e)))
         elif kind == ABORT:
             self.core.abort_requests(self.abort_decoder.decode(frames[1]))
         elif kind == SHUTDOWN:
@@ -140,8 +177,10 @@ class EngineCoreProc:
             self.kv.fill_stats(stats)
         if self.sender is not None:
             stats.kv_bytes_sent = self.sender.bytes_sent
-        msg = CoreOutputs(self.pending + outputs, stats, self.rejected, self.reserved)
-        self.rejected, self.reserved, self.pending = [], [], []
+        msg = CoreOutputs(
+            self.pending + outputs, stats, self.rejected, self.reserved, self.lora_results
+        )
+        self.rejected, self.reserved, self.pending, self.lora_results = [], [], [], []
         self.outbox.send(self.encoder.encode(msg), copy=False)
 
     def _exit_if_orphaned(self) -> None:

@@ -22,6 +22,15 @@ from tandem.spec.stats import SpecDecodeStats
 
 # Message kinds, server -> core: the first frame of a multipart message.
 ADD, RESERVE, ABORT, SHUTDOWN = b"add", b"reserve", b"abort", b"shutdown"
+# LoRA adapters: LOAD_LORA (LoRAOp with a path), UNLOAD_LORA (LoRAOp without); the core
+# answers each in CoreOutputs.lora_results (op id, error; "" when it worked).
+LOAD_LORA, UNLOAD_LORA = b"load_lora", b"unload_lora"
+
+
+class LoRAOp(msgspec.Struct, array_like=True):
+    op_id: str
+    lora_id: int
+    path: str | None = None
 
 
 class KVTransferParams(msgspec.Struct, array_like=True):
@@ -91,6 +100,7 @@ class CoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_defaults=True
     stats: EngineStats | None = None
     rejected: list[tuple[str, str]] = []  # (request id, reason): adds the core refused
     reserved: list[tuple[str, int]] = []  # (request id, prompt tokens held; -1: no room)
+    lora_results: list[tuple[str, str]] = []  # (op id, error; "": done)
 
 
 class CoreFailed(msgspec.Struct, tag="failed", array_like=True):

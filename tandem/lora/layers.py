@@ -8,7 +8,7 @@ and each shard's B ([slots, out, R], scaled); unused ranks and modules are zeros
   through two batched matmuls, reading each adapter's weights once (BGMV-like);
 - groups: each slot with many tokens (a prefill chunk) on its own, two plain matmuls.
 
-Base-model tokens take no work. Measured in benchmarks/lora_serving.py.
+Base-model tokens take no work. benchmarks/multi_lora.py measures both layouts.
 """
 
 from __future__ import annotations

@@ -29,7 +29,9 @@ from tandem.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     parse,
 )
 from tandem.server.serving import Serving, api_error
@@ -42,6 +44,8 @@ _BODIES = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
+    "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
+    "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest,
 }
 
 
@@ -112,7 +116,31 @@ def build_app(state: ServerState) -> FastAPI:
             }
             for name in serving.served_names
         ]
+        data += [
+            {
+                "id": a.name,
+                "object": "model",
+                "created": serving.created,
+                "owned_by": "tandem",
+                "root": a.path,
+                "parent": serving.model_name,
+                "max_model_len": engine.max_model_len,
+            }
+            for a in serving.loras.adapters.values()
+        ]
         return json_response({"object": "list", "data": data})
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        req = parse(LoadLoRAAdapterRequest, await request.body())
+        await serving.loras.load(req.lora_name, req.lora_path, serving.served_names)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        req = parse(UnloadLoRAAdapterRequest, await request.body())
+        await serving.loras.unload(req.lora_name)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     @app.get("/health")
     async def health() -> Response:

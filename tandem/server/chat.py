@@ -48,13 +48,13 @@ def chat_prompt(
 
 async def create_chat_completion(serving: Serving, request: Request) -> Response:
     req = parse(ChatCompletionRequest, await request.body())
-    serving.check_model(req.model)
+    lora_id = serving.check_model(req.model)
     prompt = chat_prompt(serving, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
     params = req.sampling_params(req.max_output_tokens, req.num_logprobs, serving.sampling_defaults)
     params = serving.fit(prompt, params, "messages", "top_logprobs")
     job = _Job(serving, req, prompt, params.stop)
     kv = req.kv_transfer_params
-    streams = serving.generate(job.id, [prompt], [params], req.priority, req.slo_class, kv)
+    streams = serving.generate(job.id, [prompt], [params], req.priority, req.slo_class, kv, lora_id)
     handoff = await serving.reservation([prompt], streams, kv)  # a decode instance's answer
     if req.stream:
         return EventStreamResponse(job.events(streams[0]), streams, handoff)

@@ -47,6 +47,14 @@ def add_parser(sub) -> None:
         help="require `Authorization: Bearer KEY` on /v1 (default: $TANDEM_API_KEY)",
     )
     p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="with --enable-lora: PEFT adapters to load at start, as name=path or vLLM's "
+        '{"name": ..., "path": ...}; each is a model name clients can ask for',
+    )
+    p.add_argument(
         "--max-waiting",
         type=int,
         default=None,
@@ -145,6 +153,8 @@ async def _serve(args: argparse.Namespace, config, model: str | None, sock) -> i
     from tandem.engine.async_llm import AsyncLLM
     from tandem.engine.generation_config import sampling_defaults
     from tandem.server.app import ServerState, build_app
+    from tandem.server.errors import APIError
+    from tandem.server.lora import parse_lora_modules
     from tandem.server.metrics import Metrics
     from tandem.server.serving import Serving
 
@@ -171,6 +181,12 @@ async def _serve(args: argparse.Namespace, config, model: str | None, sock) -> i
             args.log_requests,
             args.slo_classes,
         )
+        for name, path in parse_lora_modules(args.lora_modules):
+            try:
+                await serving.loras.load(name, path, names)
+            except APIError as e:
+                raise ValueError(f"--lora-modules {name}: {e.message}") from None
+            log.info("LoRA adapter %s loaded from %s", name, path)
         state = ServerState(serving, metrics, args.api_key)
         server = _Server(
             uvicorn.Config(

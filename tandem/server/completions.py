@@ -29,13 +29,15 @@ from tandem.server.streaming import (
 
 async def create_completion(serving: Serving, request: Request) -> Response:
     req = parse(CompletionRequest, await request.body())
-    serving.check_model(req.model)
+    lora_id = serving.check_model(req.model)
     prompts = [serving.prompt(p) for p in req.prompts()]
     params = req.sampling_params(req.max_tokens, req.logprobs, serving.sampling_defaults)
     params_per_prompt = [serving.fit(p, params) for p in prompts]
     job = _Job(serving, req, prompts, params.stop)
     kv = req.kv_transfer_params
-    streams = serving.generate(job.id, prompts, params_per_prompt, req.priority, req.slo_class, kv)
+    streams = serving.generate(
+        job.id, prompts, params_per_prompt, req.priority, req.slo_class, kv, lora_id
+    )
     handoff = await serving.reservation(prompts, streams, kv)  # a decode instance's answer
     if req.stream:
         return EventStreamResponse(job.events(streams), streams, handoff)

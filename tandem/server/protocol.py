@@ -256,6 +256,16 @@ class DetokenizeRequest(_Model):
     tokens: list[Int64]
 
 
+class LoadLoRAAdapterRequest(_Model):  # vLLM's POST /v1/load_lora_adapter
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Model):  # vLLM's POST /v1/unload_lora_adapter
+    lora_name: str = Field(min_length=1)
+    lora_int_id: Int64 | None = None
+
+
 MAX_JSON_DEPTH = 64
 
 

@@ -27,6 +27,7 @@ from tandem.server.errors import (
     server_error,
     unavailable,
 )
+from tandem.server.lora import LoRARegistry
 from tandem.server.protocol import KVTransferField
 
 log = logging.getLogger("tandem")
@@ -49,6 +50,7 @@ class Serving:
         slo_classes: dict[str, SLOClass] | None = None,
     ) -> None:
         self.engine = engine
+        self.loras = LoRARegistry(engine, engine.config.enable_lora)
         self.tokenizer = engine.tokenizer
         self.served_names = served_names
         self.model_name = served_names[0]
@@ -70,9 +72,15 @@ class Serving:
                 raise bad_request(f"slo_class: unknown class {name!r}; known: {known}", "slo_class")
         return cls, cls.priority if priority is None else priority
 
-    def check_model(self, name: str | None) -> None:
-        if name and name not in self.served_names:
+    def check_model(self, name: str | None) -> int:
+        """The LoRA adapter a request's `model` names (0: the base model); 404 for a name
+        that is neither a served model name nor a loaded adapter."""
+        if not name or name in self.served_names:
+            return 0
+        lora_id = self.loras.lora_id(name)
+        if lora_id is None:
             raise not_found(f"The model `{name}` does not exist.", "model", "model_not_found")
+        return lora_id
 
     # ---- prompts -------------------------------------------------------------------
     def prompt(self, prompt: str | list[int]) -> Prompt:
@@ -154,6 +162,7 @@ class Serving:
         priority: int | None = None,
         slo_class: str | None = None,
         kv: KVTransferField | None = None,
+        lora_id: int = 0,
     ) -> list[RequestStream]:
         """Start one generation per prompt (admission checked for all of them first). `kv`:
         this request's part in a prefill/decode handoff (server/kv_handoff.py)."""
@@ -174,7 +183,7 @@ class Serving:
                 streams.append(
                     self.engine.add_request(
                         prompt.text, prompt.token_ids, p, rid, priority, slo,
-                        remote_prefill, sends[i] if sends else None,
+                        remote_prefill, sends[i] if sends else None, lora_id,
                     )
                 )  # fmt: skip
         except ValueError as e:

@@ -120,3 +120,8 @@ def test_openapi_document_describes_the_request_bodies(http):
     schema = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
     assert {"prompt", "max_tokens", "temperature", "seed"} <= set(schema["properties"])
     assert "/v1/chat/completions" in doc["paths"] and "/tokenize" in doc["paths"]
+
+
+def test_a_server_without_enable_lora_refuses_to_load_an_adapter(http, tmp_path):
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(tmp_path)})
+    assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
