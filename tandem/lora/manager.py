@@ -14,6 +14,7 @@ import torch
 from tandem.core.model_config import ModelConfig
 from tandem.lora.adapter import AdapterWeights, load_adapter, shard_shapes
 from tandem.lora.layers import LoRAContext, LoRALinear
+from tandem.model import kernels
 
 # A slot with more tokens than this in a step (a prefill chunk) is computed on its own;
 # the rest share two batched matmuls, padded to the busiest of them.
@@ -22,15 +23,19 @@ GROUP_MIN_TOKENS = 8
 
 class LoRAManager:
     def __init__(self, model, cfg: ModelConfig, max_loras: int, max_rank: int, dtype, device):
-        self.cfg, self.max_loras, self.max_rank = cfg, max_loras, max_rank
+        self.cfg, self.max_loras, self.max_rank, self.device = cfg, max_loras, max_rank, device
         self.modules: dict[tuple[int, str], LoRALinear] = {}
         shapes = shard_shapes(cfg)
+        cpu = torch.device(device).type == "cpu"
+        self.kernel = kernels.lora_bgmv() if cpu else None
+        lora_dtype = torch.float32 if cpu and self.kernel is None else dtype  # see layers.py
         for i, layer in enumerate(model.model.layers):
             for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                                  (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):  # fmt: skip
                 outs = [out for _, out in shapes[name]]
+                base = getattr(parent, name)
                 wrapped = LoRALinear(
-                    getattr(parent, name), outs, max_loras, max_rank, dtype, device
+                    base, outs, max_loras, max_rank, lora_dtype, device, self.kernel
                 )
                 setattr(parent, name, wrapped)
                 self.modules[(i, name)] = wrapped
@@ -64,31 +69,47 @@ class LoRAManager:
             return None
         self._activate(ids)
         padded, groups = [], []
+        num_tokens = len(token_lora_ids)
         for lid in ids:
             idx = np.flatnonzero(token_lora_ids == lid)
             slot = self.slot_of[lid]
-            if len(idx) > GROUP_MIN_TOKENS:
-                groups.append((slot, torch.from_numpy(idx)))
+            if len(idx) == num_tokens:  # the whole step runs this adapter
+                groups.append((slot, None))
+            elif len(idx) > GROUP_MIN_TOKENS:
+                groups.append((slot, self._tensor(idx)))
             else:
                 padded.append((slot, idx))
-        pad_slots = pad_index = pad_valid = None
-        if padded:
-            # All slots in order when most are used (no copy of their weights), else the used.
-            slots = (
-                list(range(self.max_loras))
-                if 2 * len(padded) >= self.max_loras
-                else sorted(s for s, _ in padded)
-            )
-            row = {s: r for r, s in enumerate(slots)}
-            m = max(len(idx) for _, idx in padded)
-            index = np.full((len(slots), m), len(token_lora_ids), dtype=np.int64)
+        if not padded:
+            return LoRAContext(None, None, None, None, None, groups)
+        if self.kernel is not None:
+            token_slots = np.full(num_tokens, -1, dtype=np.int64)
             for slot, idx in padded:
-                index[row[slot], : len(idx)] = idx
-            pad_index = torch.from_numpy(index)
-            pad_valid = pad_index.flatten() < len(token_lora_ids)
-            if len(slots) < self.max_loras:
-                pad_slots = torch.tensor(slots)
-        return LoRAContext(pad_slots, pad_index, pad_valid, groups)
+                token_slots[idx] = slot
+            return LoRAContext(None, None, None, None, None, groups, self._tensor(token_slots))
+        # All slots in order when most are used (no copy of their weights), else the used.
+        slots = (
+            list(range(self.max_loras))
+            if 2 * len(padded) >= self.max_loras
+            else sorted(s for s, _ in padded)
+        )
+        row = {s: r for r, s in enumerate(slots)}
+        m = max(len(idx) for _, idx in padded)
+        index = np.full((len(slots), m), -1, dtype=np.int64)
+        for slot, idx in padded:
+            index[row[slot], : len(idx)] = idx
+        flat = index.reshape(-1)
+        valid = flat >= 0
+        pad_index = self._tensor(np.where(index >= 0, index, 0))
+        pad_tokens = self._tensor(flat[valid])
+        pad_valid = None if valid.all() else self._tensor(valid)
+        pad_slots = self._tensor(np.array(slots)) if len(slots) < self.max_loras else None
+        inverse = None
+        if not groups and len(flat[valid]) == num_tokens and not (token_lora_ids == 0).any():
+            inverse = self._tensor(np.argsort(flat[valid]))
+        return LoRAContext(pad_slots, pad_index, pad_valid, pad_tokens, inverse, groups)
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
 
     def _activate(self, ids: list[int]) -> None:
         if len(ids) > self.max_loras:

@@ -50,10 +50,14 @@ def test_greedy_output_with_each_adapter_equals_peft(
     assert_all_released(llm)
 
 
+@pytest.mark.parametrize("path", ["kernel", "torch"])
 def test_a_batch_mixing_three_adapters_and_the_base_gives_each_row_its_own_output(
-    checkpoints, hf_models, adapters, peft_models
+    checkpoints, hf_models, adapters, peft_models, path, monkeypatch
 ):
+    if path == "torch":  # the batched-matmul layout used where the C++ kernel is not built
+        monkeypatch.setenv("TANDEM_NO_CPP_KERNELS", "1")
     llm = lora_llm(checkpoints, max_loras=3, max_lora_rank=16)
+    assert (llm.engine.runner.lora.kernel is None) == (path == "torch")
     prompts = prompts_of_lengths([5, 30, 12, 21, 9, 40, 3, 17], seed=2)
     names = ["all", None, "attn", "mlp", "mlp", "all", None, "attn"]
     requests = [lora(adapters, n) if n else None for n in names]

@@ -22,6 +22,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
+LORA_SOURCE = Path(__file__).with_name("lora_bgmv.cpp")
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
@@ -38,8 +39,19 @@ def paged_decode_attention():
     return None if module is None else module.paged_decode_attention
 
 
+def lora_bgmv():
+    """`(y, x, a, bt, slots) -> None`: y += each token's own LoRA update, in place (see
+    lora_bgmv.cpp), or None: use the torch path."""
+    if not enabled():
+        return None
+    module = _load(LORA_SOURCE, "tandem_lora_bgmv", "the C++ LoRA kernel")
+    return None if module is None else module.lora_bgmv
+
+
 @functools.cache
-def _load():
+def _load(
+    source: Path = SOURCE, stem: str = "tandem_paged_attention", what="the C++ attention kernel"
+):
     if platform.machine().lower() not in ("x86_64", "amd64"):
         log.info("C++ kernels are built for x86 only; using the torch attention path")
         return None
@@ -47,13 +59,13 @@ def _load():
         from torch.utils.cpp_extension import load
 
         cflags = CFLAGS + _vec_flags()
-        name = f"tandem_paged_attention_{_build_tag(cflags)}"
+        name = f"{stem}_{_build_tag(cflags, source)}"
         if not _is_built(name):
-            log.info("compiling the C++ attention kernel (once, ~40 s; torch caches it)")
+            log.info("compiling %s (once, ~40 s; torch caches it)", what)
         t0 = time.perf_counter()
         module = load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(source)],
             extra_cflags=cflags,
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -88,8 +100,8 @@ def _vec_flags() -> list[str]:
     return ["-DCPU_CAPABILITY=DEFAULT"]
 
 
-def _build_tag(cflags: list[str]) -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+def _build_tag(cflags: list[str], source: Path = SOURCE) -> str:
+    h = hashlib.sha256(source.read_bytes())
     h.update(" ".join(cflags).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_flags().encode())
