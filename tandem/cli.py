@@ -1,4 +1,4 @@
-"""`tandem serve | generate | bench | profile | proxy | router`: each subcommand lives in its package and is imported
+"""`tandem serve | generate | bench | profile | proxy | router | sim`: each subcommand lives in its package and is imported
 only when used, so `tandem --help` stays fast."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "profile": "tandem.engine.profile_cli",
     "proxy": "tandem.disagg.proxy_cli",
     "router": "tandem.router.cli",
+    "sim": "tandem.sim.cli",
 }
 
 

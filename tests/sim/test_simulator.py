@@ -1,0 +1,149 @@
+"""`tandem sim`: the real engine loop and scheduler on virtual clocks. Exact against a hand
+computation with a constant-time cost model, deterministic, torch-free, and built from the
+very classes `tandem serve` runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tandem.core.cost_model import CostModel
+from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.scheduler import Scheduler
+from tandem.engine.core import EngineCore
+from tandem.router import policy
+from tandem.sim.cluster import ClusterSpec
+from tandem.sim.report import summarize
+from tandem.sim.simulator import Simulation
+from tandem.sim.specs import HARDWARE, MODELS, ModelSpec, kv_capacity_tokens, roofline_cost_model
+from tandem.sim.workload import SimRequest, mooncake_trace, random_requests
+
+
+def constant_cluster(tmp_path, seconds=0.01, count=1, router="round_robin", kv_tokens=4096):
+    path = tmp_path / "cost.json"
+    CostModel((seconds, 0.0, 0.0, 0.0, 0.0)).save(path)
+    return ClusterSpec.from_dict(
+        {"model": "llama-3-8b", "router": router, "groups": [
+            {"name": "g", "cost_model": "cost.json", "kv_tokens": kv_tokens, "count": count,
+             "price_per_hour": 3.6}]}, tmp_path)  # fmt: skip
+
+
+def test_one_instance_with_a_constant_step_time_gives_the_hand_computed_latencies(tmp_path):
+    # Steps of 10 ms. r0 (t=0): prefill 0-10 ms, then a token each step to 50 ms. r1 arrives
+    # at 15 ms, during r0's second step, so its prefill is the third step (20-30 ms).
+    requests = [SimRequest(0.0, tuple(range(10)), 5), SimRequest(0.015, tuple(range(50, 60)), 3)]
+    sim = Simulation(constant_cluster(tmp_path), requests)
+    r0, r1 = sim.run()
+    assert r0.first_token == pytest.approx(0.01) and r0.finished == pytest.approx(0.05)
+    assert r0.token_times == pytest.approx([0.01, 0.02, 0.03, 0.04, 0.05])
+    assert r1.first_token == pytest.approx(0.03) and r1.token_times == pytest.approx(
+        [0.03, 0.04, 0.05]
+    )
+    result = summarize(sim, [r0, r1])
+    assert result["mean_ttft_ms"] == pytest.approx((10 + 15) / 2)
+    assert result["mean_tpot_ms"] == pytest.approx(10)
+    assert result["mean_e2el_ms"] == pytest.approx((50 + 35) / 2)
+    assert result["num_steps"] == 5 and result["simulated_seconds"] == pytest.approx(0.05)
+    # one instance at $3.60/h for 50 ms, 8 output tokens
+    assert result["cost_per_million_output_tokens"] == pytest.approx(3.6 * 0.05 / 3600 / 8 * 1e6)
+    assert result["groups"]["g"]["utilization"] == pytest.approx(1.0)
+
+
+def test_the_simulator_runs_the_classes_tandem_serve_runs(tmp_path):
+    sim = Simulation(constant_cluster(tmp_path, count=2, router="prefix_aware"), [])
+    for inst in sim.instances:
+        assert type(inst.core) is EngineCore
+        assert type(inst.core.scheduler) is Scheduler
+        assert type(inst.core.scheduler.kv) is KVCacheManager
+    assert type(sim.policy) is policy.PrefixAware
+
+
+def test_the_same_seed_gives_the_same_result_byte_for_byte(tmp_path):
+    cluster = ClusterSpec.from_dict({"model": "llama-3-8b", "router": "least_load", "groups": [
+        {"hardware": "H100", "count": 3, "price_per_hour": 2.5}]})  # fmt: skip
+
+    def once(seed):
+        sim = Simulation(cluster, random_requests(200, 256, 32, 30.0, seed, range_ratio=0.5))
+        return json.dumps(summarize(sim, sim.run()), sort_keys=True)
+
+    assert once(1) == once(1)
+    assert once(1) != once(2)
+
+
+def test_round_robin_spreads_requests_over_instances(tmp_path):
+    requests = [SimRequest(0.001 * i, tuple(range(i, i + 8)), 2) for i in range(6)]
+    sim = Simulation(constant_cluster(tmp_path, count=3), requests)
+    records = sim.run()
+    assert [r.instance for r in records] == ["g-0", "g-1", "g-2"] * 2
+
+
+def test_requests_sharing_a_trace_prefix_hit_the_radix_cache(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    rows = [
+        {"timestamp": 0, "input_length": 1100, "output_length": 4, "hash_ids": [1, 2, 3]},
+        {"timestamp": 500, "input_length": 1050, "output_length": 4, "hash_ids": [1, 2, 9]},
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))  # fmt: skip
+    requests = mooncake_trace(trace)
+    assert requests[0].prompt[:1024] == requests[1].prompt[:1024]
+    assert [r.arrival for r in requests] == [0.0, 0.5]
+    sim = Simulation(constant_cluster(tmp_path, kv_tokens=8192), requests)
+    sim.run()
+    kv = sim.instances[0].core.scheduler.kv
+    assert kv.stats.hits == 1024  # the second request found the two shared 512-token blocks
+
+
+def test_roofline_model_reads_the_weights_once_a_step_and_divides_work_by_tp():
+    spec, h100 = ModelSpec.load("llama-3-8b"), HARDWARE["H100"]
+    assert spec.params == pytest.approx(8.03e9, rel=0.01)  # Llama-3-8B's published size
+    one, two = roofline_cost_model(h100, spec, 1), roofline_cost_model(h100, spec, 2)
+    weights = spec.params * 2 / (h100.mem_bandwidth_gbs * 1e9 * h100.bandwidth_efficiency)
+    assert one.coef[0] == pytest.approx(0.002 + weights)
+    assert two.coef[1] < one.coef[1] and two.coef[3] == pytest.approx(one.coef[3] / 2)
+    assert one.info["source"].startswith("roofline (derived")
+    with pytest.raises(ValueError, match="does not fit on 1 x H100"):
+        kv_capacity_tokens(h100, ModelSpec.load("llama-3-70b"), 1)
+    assert kv_capacity_tokens(h100, ModelSpec.load("llama-3-70b"), 4) > 100_000
+    assert set(MODELS) >= {"llama-3-8b", "llama-3-70b", "qwen2.5-32b"}
+
+
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        ({"groups": []}, "cluster.groups"),
+        ({"groups": [{"hardware": "TPU9"}]}, r"groups\[0\].hardware"),
+        ({"groups": [{"hardware": "H100", "count": 0}]}, r"groups\[0\].count"),
+        ({"groups": [{"hardware": "H100", "role": "prefill"}]}, r"groups\[0\].role"),
+        ({"groups": [{"cost_model": "x.json"}]}, r"groups\[0\].kv_tokens"),
+        ({"model": "gpt-9", "groups": [{"hardware": "H100"}]}, "model"),
+        ({"groups": [{"hardware": "H100"}], "engine": {"warp": 9}}, "cluster.engine"),
+    ],
+)
+def test_a_bad_cluster_names_the_field(data, field):
+    with pytest.raises(ValueError, match=field):
+        ClusterSpec.from_dict(data)
+
+
+def test_the_simulator_imports_no_torch():
+    code = ("import sys, tandem.sim.cli, tandem.sim.simulator, tandem.sim.report;"
+            "assert 'torch' not in sys.modules, 'torch imported'")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tandem_sim_run_prints_a_bench_summary_marked_simulated(tmp_path):
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("model: llama-3-8b\ngroups:\n  - {hardware: A100, count: 2}\n")
+    out = tmp_path / "r.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "sim", "run", "--cluster", str(cluster),
+         "--num-prompts", "40", "--request-rate", "10", "--random-input-len", "128",
+         "--random-output-len", "16", "--save-result", str(out)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert run.stdout.startswith("SIMULATED")
+    assert "Mean TTFT (ms)" in run.stdout and "utilisation" in run.stdout
+    result = json.loads(out.read_text())
+    assert result["completed"] == 40 and result["simulated"] is True
