@@ -4,14 +4,13 @@ stream; an unknown adapter is a 404, a bad one a 400 naming the problem; nothing
 
 from __future__ import annotations
 
-import json
 import threading
 
 import httpx
 import pytest
 
 from tandem import LLM, LoRARequest, SamplingParams
-from tests.server.conftest import Server, metrics
+from tests.server.conftest import Server, metrics, streamed_text
 
 PROMPT = [11, 52, 33, 74, 5, 6, 7, 8]
 
@@ -46,12 +45,7 @@ def complete(url, model, stream=False, max_tokens=24):
             "ignore_eos": True, "stream": stream}  # fmt: skip
     if not stream:
         return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-    text = ""
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                text += json.loads(line[6:])["choices"][0]["text"]
-    return text
+    return streamed_text(url, body)
 
 
 def post(url, path, body):

@@ -6,6 +6,7 @@ only when a test first needs them.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -63,6 +64,16 @@ def metrics(url: str, label: str) -> dict[str, float]:
                 key += ":" + name.split(f'{label}="')[1].split('"')[0]
             values[key] = values.get(key, 0.0) + float(value)
     return values
+
+
+def streamed_text(url: str, body: dict, path: str = "/v1/completions") -> str:
+    """The text of a streamed completion, its SSE chunks joined."""
+    text = ""
+    with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
 
 
 class Server:

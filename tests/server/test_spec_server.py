@@ -4,13 +4,12 @@ vLLM's spec_decode counters on /metrics, which `tandem bench` turns into an acce
 from __future__ import annotations
 
 import asyncio
-import json
 
 import httpx
 
 from tandem.bench.server_counters import read_spec_counters, spec_summary
 from tests.engine.test_spec_decode import repetitive_prompts
-from tests.server.conftest import metrics
+from tests.server.conftest import metrics, streamed_text
 
 
 def complete(url: str, model: str, prompt, stream: bool) -> list[int] | str:
@@ -20,12 +19,7 @@ def complete(url: str, model: str, prompt, stream: bool) -> list[int] | str:
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         r.raise_for_status()
         return r.json()["choices"][0]["text"]
-    text = ""
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                text += json.loads(line[6:])["choices"][0]["text"]
-    return text
+    return streamed_text(url, body)
 
 
 def test_answers_equal_the_plain_servers_streamed_or_not(server, spec_server, model_name):
