@@ -154,7 +154,8 @@ class EngineCore:
         are held here already (send the rest), or None when there is no room."""
         request = self._request(req)
         num_cached = self.scheduler.reserve(request)
-        self.stalled = False
+        if num_cached is not None:  # one that found no room changed nothing
+            self.stalled = False
         return num_cached
 
     def receive_kv(self, request_id: str, start: int, kv) -> None:

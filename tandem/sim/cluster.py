@@ -9,6 +9,12 @@ JSON, checked with errors naming the field.
     groups:
       - {name: h100, hardware: H100, count: 4, tp: 1, price_per_hour: 2.5}
       - {name: local, cost_model: cost.json, kv_tokens: 100000, count: 1}
+
+Prefill/decode disaggregation: groups with `role: prefill` and `role: decode`, and a link
+between them (KV transfer time = bytes / bandwidth + latency, overlapped layer by layer):
+
+    links:
+      - {from: prefill, to: decode, bandwidth_gbs: 50, latency_ms: 0.05}
 """
 
 from __future__ import annotations
@@ -30,6 +36,16 @@ class GroupSpec:
     hardware: str
     tp: int = 1
     price_per_hour: float = 0.0  # of one instance (all its devices)
+    role: str = "both"  # both | prefill | decode
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth_gbs: float  # GB/s
+    latency_s: float
+
+    def transfer_seconds(self, nbytes: int) -> float:
+        return nbytes / (self.bandwidth_gbs * 1e9)
 
 
 @dataclass(frozen=True)
@@ -39,6 +55,11 @@ class ClusterSpec:
     router: str = "round_robin"
     scheduling_policy: str = "fcfs"
     engine: dict = field(default_factory=dict)
+    links: dict[tuple[str, str], Link] = field(default_factory=dict)  # (prefill, decode) groups
+
+    @property
+    def disaggregated(self) -> bool:
+        return any(g.role != "both" for g in self.groups)
 
     @property
     def num_instances(self) -> int:
@@ -67,19 +88,22 @@ class ClusterSpec:
         unknown = set(engine) - {"max_num_seqs", "max_num_batched_tokens", "block_size"}
         if unknown:
             raise ValueError(f"cluster.engine: unknown setting(s) {sorted(unknown)}")
+        links = _links(data.get("links") or [], groups)
         return cls(
             model,
             groups,
             data.get("router", "round_robin"),
             data.get("scheduling_policy", "fcfs"),
             engine,
+            links,
         )
 
 
 def _group(g: dict, i: int, model: ModelSpec, base: Path) -> GroupSpec:
     where = f"cluster.groups[{i}]"
-    if g.get("role", "both") != "both":
-        raise ValueError(f"{where}.role: only 'both' (colocated) instances are simulated yet")
+    role = g.get("role", "both")
+    if role not in ("both", "prefill", "decode"):
+        raise ValueError(f"{where}.role must be both, prefill or decode, got {role!r}")
     count, tp = g.get("count", 1), g.get("tp", 1)
     for name, value in (("count", count), ("tp", tp)):
         if not (isinstance(value, int) and value >= 1):
@@ -99,4 +123,29 @@ def _group(g: dict, i: int, model: ModelSpec, base: Path) -> GroupSpec:
         cost = roofline_cost_model(hw, model, tp)
         kv = int(g.get("kv_tokens") or kv_capacity_tokens(hw, model, tp))
     return GroupSpec(g.get("name", f"group{i}"), count, cost, kv, hardware, tp,
-                     float(g.get("price_per_hour", 0.0)))  # fmt: skip
+                     float(g.get("price_per_hour", 0.0)), role)  # fmt: skip
+
+
+def _links(items: list, groups: list[GroupSpec]) -> dict[tuple[str, str], Link]:
+    roles = {g.name: g.role for g in groups}
+    prefill = [g.name for g in groups if g.role == "prefill"]
+    decode = [g.name for g in groups if g.role == "decode"]
+    if bool(prefill) != bool(decode) or (prefill and any(r == "both" for r in roles.values())):
+        raise ValueError(
+            "cluster.groups: a disaggregated cluster needs prefill and decode groups (and no "
+            "colocated ones)"
+        )
+    links = {}
+    for i, item in enumerate(items):
+        src, dst = item.get("from"), item.get("to")
+        if roles.get(src) != "prefill" or roles.get(dst) != "decode":
+            raise ValueError(f"cluster.links[{i}]: from a prefill group to a decode group")
+        bw = item.get("bandwidth_gbs")
+        if not (isinstance(bw, (int, float)) and bw > 0):
+            raise ValueError(f"cluster.links[{i}].bandwidth_gbs must be > 0, got {bw!r}")
+        links[(src, dst)] = Link(float(bw), float(item.get("latency_ms", 0.0)) / 1000)
+    for src in prefill:
+        for dst in decode:
+            if (src, dst) not in links:
+                raise ValueError(f"cluster.links: no link from {src!r} to {dst!r}")
+    return links

@@ -56,6 +56,7 @@ def summarize(sim: Simulation, records: list[Record], percentiles=(90, 99),
         "simulated_seconds": duration,
         "num_steps": sim.num_steps,
         "cost_dollars": dollars,
+        "kv_transfer_bytes": sum(r.kv_bytes for r in records),  # disaggregated clusters
         "cost_per_million_output_tokens": dollars / out_tokens * 1e6 if out_tokens else None,
         "groups": groups,
     }

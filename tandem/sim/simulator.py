@@ -9,10 +9,19 @@ each instance's running and waiting counts and KV usage, as the router reads the
 `EngineCore.step()` and its tokens are stamped with the instance's clock after it. A request
 that arrives during a step waits for the next, as in the real engine. Deterministic: no wall
 clock, no threads, seeded workloads.
+
+Disaggregated clusters run the proxy's three-stage handoff on the same objects: a decode
+instance reserves (`EngineCore.reserve`: its radix cache says how much of the prompt it
+holds; no room, and the request waits at the proxy until a step there frees some), a prefill
+instance computes the prompt with `kv_transfer` (max_tokens 1), and the missing KV crosses
+the link layer by layer, overlapped with the prefill step: it has all arrived at
+max(step end + one layer's transfer, step start + the whole transfer) + latency, when the
+decode instance commits (`EngineCore.commit`) and the client sees the first token.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from dataclasses import dataclass, field
 
@@ -22,8 +31,8 @@ from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler import Scheduler, SchedulerConfig
 from tandem.engine.builder import build_batch_policy
 from tandem.engine.core import EngineCore
-from tandem.engine.messages import EngineCoreRequest
-from tandem.router.policy import RouteRequest, WorkerState, build_policy
+from tandem.engine.messages import EngineCoreRequest, KVTransferParams
+from tandem.router.policy import LeastLoad, RouteRequest, WorkerState, build_policy
 from tandem.sim.cluster import ClusterSpec, GroupSpec
 from tandem.sim.runner import SimulatedRunner
 from tandem.sim.workload import SimRequest
@@ -42,6 +51,8 @@ class Record:
     token_times: list[float] = field(default_factory=list)
     finished: float | None = None
     error: str = ""
+    prefill_instance: str = ""  # disaggregated: where its prompt was computed
+    kv_bytes: int = 0  # disaggregated: prompt KV sent to its decode instance
 
 
 class Instance:
@@ -61,6 +72,7 @@ class Instance:
         self.runner = SimulatedRunner(cost, self.clock)
         self.core = EngineCore(scheduler, self.runner, self.clock)
         self.state = WorkerState(name, name)
+        self.backlog: list[tuple[SimRequest, str]] = []  # decode: waiting for room to reserve
 
     @property
     def has_work(self) -> bool:
@@ -80,51 +92,126 @@ class Simulation:
         self.instances = [
             Instance(f"{g.name}-{i}", g, cluster) for g in cluster.groups for i in range(g.count)
         ]
+        self.front = [i for i in self.instances if i.group.role != "prefill"]  # clients see
+        self.prefill = [i for i in self.instances if i.group.role == "prefill"]
         self.policy = build_policy(cluster.router, cluster.groups[0].cost_model)
+        self.prefill_policy = LeastLoad()  # as the proxy picks prefill instances
+        self.kv_bytes_per_token = cluster.model.kv_bytes_per_token()
         self.records: dict[str, Record] = {}
         self.num_steps = 0
+        self._events: list[tuple[float, int, str, tuple]] = []  # (time, seq, kind, payload)
+        self._seq = itertools.count()
 
     def run(self) -> list[Record]:
-        arrivals = list(reversed(self.requests))
-        ids = itertools.count()
+        for n, req in enumerate(self.requests):
+            self._push(req.arrival, "arrive", (req, f"r{n}"))
         while True:
             ready = [(i.clock(), n, i) for n, i in enumerate(self.instances) if i.has_work]
             step = min(ready, key=lambda x: (x[0], x[1])) if ready else None
-            if arrivals and (step is None or arrivals[-1].arrival <= step[0]):
-                self._arrive(arrivals.pop(), f"r{next(ids)}")
+            if self._events and (step is None or self._events[0][0] <= step[0]):
+                when, _, kind, payload = heapq.heappop(self._events)
+                if kind == "arrive":
+                    self._arrive(*payload)
+                else:
+                    self._commit(when, *payload)
             elif step is not None:
                 self._step(step[2])
             else:
                 break
-        stuck = [i.name for i in self.instances if i.core.has_unfinished()]
+        stuck = [i.name for i in self.instances if i.core.has_unfinished() or i.backlog]
         if stuck:  # only a request larger than an instance's pool could do this
             raise RuntimeError(f"instances {stuck} hold requests they can never run")
         return [self.records[f"r{n}"] for n in range(len(self.requests))]
 
-    def _arrive(self, req: SimRequest, rid: str) -> None:
+    def _push(self, when: float, kind: str, payload: tuple) -> None:
+        heapq.heappush(self._events, (when, next(self._seq), kind, payload))
+
+    def _route(self, policy, instances: list[Instance], req: SimRequest) -> Instance:
         route = RouteRequest(" ".join(map(str, req.prompt)))
-        workers = [i.observe() for i in self.instances]
-        target = self.policy.rank(workers, route)[0]
-        self.policy.routed(target, route)
-        inst = next(i for i in self.instances if i.state is target)
-        record = self.records[rid] = Record(req, inst.name)
-        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0)
+        target = policy.rank([i.observe() for i in instances], route)[0]
+        policy.routed(target, route)
+        return next(i for i in instances if i.state is target)
+
+    def _arrive(self, req: SimRequest, rid: str) -> None:
+        inst = self._route(self.policy, self.front, req)
+        self.records[rid] = Record(req, inst.name)
+        if self.prefill:
+            if inst.backlog or not self._reserve(inst, req, rid, req.arrival):  # in order
+                inst.backlog.append((req, rid))
+        else:
+            self._add(inst, req, rid, req.arrival)
+
+    def _add(self, inst: Instance, req: SimRequest, rid: str, now: float, kv_transfer=None):
         if not inst.core.has_unfinished():  # idle until now
-            inst.clock.now = max(inst.clock.now, req.arrival)
+            inst.clock.now = max(inst.clock.now, now)
+        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0)
         try:
-            inst.core.add_request(EngineCoreRequest(rid, list(req.prompt), params, req.arrival))
+            inst.core.add_request(
+                EngineCoreRequest(
+                    rid, list(req.prompt), params, req.arrival, kv_transfer=kv_transfer
+                )  # fmt: skip
+            )
         except ValueError as e:  # refused as the engine refuses it (too long for the pool)
-            record.error = str(e)
+            self.records[rid].error = str(e)
+
+    def _reserve(self, decode: Instance, req: SimRequest, rid: str, now: float) -> bool:
+        """Stages 1 and 2 of the handoff; False: no room on the decode instance yet."""
+        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0)
+        try:
+            held = decode.core.reserve(
+                EngineCoreRequest(rid, list(req.prompt), params, req.arrival)
+            )
+        except ValueError as e:
+            self.records[rid].error = str(e)
+            return True
+        if held is None:
+            return False
+        prefill = self._route(self.prefill_policy, self.prefill, req)
+        record = self.records[rid]
+        record.prefill_instance = prefill.name
+        record.kv_bytes = (len(req.prompt) - held) * self.kv_bytes_per_token
+        self._add(prefill, req, rid, now, KVTransferParams(decode.name, rid, held))
+        return True
 
     def _step(self, inst: Instance) -> None:
         self.num_steps += 1
-        for out in inst.core.step():
-            record = self.records[out.request_id]
-            now = inst.clock()
-            if out.new_token_ids:
-                if record.first_token is None:
-                    record.first_token = now
-                record.token_times += [now] * len(out.new_token_ids)
-            if out.finish_reason is not None:
-                record.finished = now
-                record.error = out.error or ""
+        start = inst.clock()
+        outputs = inst.core.step()
+        now = inst.clock()
+        if inst.group.role == "prefill":
+            for out in outputs:
+                if out.new_token_ids:  # the prompt is done: its KV finishes crossing the link
+                    self._push(self._kv_arrival(inst, out.request_id, start, now), "commit",
+                               (out.request_id, out.new_token_ids[0]))  # fmt: skip
+                elif out.finish_reason is not None:
+                    self.records[out.request_id].error = out.error or "prefill failed"
+            return
+        for out in outputs:
+            self._record(out, now)
+        while inst.backlog and self._reserve(inst, *inst.backlog[0], now):
+            inst.backlog.pop(0)
+
+    def _kv_arrival(self, prefill: Instance, rid: str, start: float, end: float) -> float:
+        record = self.records[rid]
+        decode = next(i for i in self.front if i.name == record.instance)
+        link = self.cluster.links[(prefill.group.name, decode.group.name)]
+        whole = link.transfer_seconds(record.kv_bytes)
+        last_layer = whole / self.cluster.model.num_layers
+        return max(end + last_layer, start + whole) + link.latency_s
+
+    def _commit(self, when: float, rid: str, first_token: int) -> None:
+        decode = next(i for i in self.front if i.name == self.records[rid].instance)
+        if not decode.core.has_unfinished() or decode.core.stalled:  # idle until the KV came
+            decode.clock.now = max(decode.clock.now, when)
+        for out in decode.core.commit(rid, first_token):
+            self._record(out, max(when, decode.clock()))
+
+    def _record(self, out, now: float) -> None:
+        record = self.records[out.request_id]
+        if out.new_token_ids:
+            if record.first_token is None:
+                record.first_token = now
+            record.token_times += [now] * len(out.new_token_ids)
+        if out.finish_reason is not None:
+            record.finished = now
+            record.error = out.error or ""

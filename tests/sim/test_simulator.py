@@ -52,6 +52,49 @@ def test_one_instance_with_a_constant_step_time_gives_the_hand_computed_latencie
     assert result["groups"]["g"]["utilization"] == pytest.approx(1.0)
 
 
+def pd_cluster(tmp_path, decode_kv=4096, bandwidth_gbs=1.31072, latency_ms=0.1):
+    path = tmp_path / "cost.json"
+    CostModel((0.01, 0.0, 0.0, 0.0, 0.0)).save(path)
+    group = {"cost_model": "cost.json", "kv_tokens": 4096}
+    return ClusterSpec.from_dict({"model": "llama-3-8b", "groups": [
+        {**group, "name": "p", "role": "prefill"},
+        {**group, "name": "d", "role": "decode", "kv_tokens": decode_kv}],
+        "links": [{"from": "p", "to": "d", "bandwidth_gbs": bandwidth_gbs,
+                   "latency_ms": latency_ms}]}, tmp_path)  # fmt: skip
+
+
+def test_one_prefill_one_decode_with_a_constant_step_time_gives_the_hand_computed_latencies(
+    tmp_path,
+):
+    # The prompt's 10 tokens of Llama-3-8B KV are 1.31 MB: 1 ms over 1.31 GB/s, 1/32 of it a
+    # layer. The prefill step is 0-10 ms; its last layer lands 10 + 1/32 ms, +0.1 ms latency.
+    sim = Simulation(pd_cluster(tmp_path), [SimRequest(0.0, tuple(range(10)), 3)])
+    (r,) = sim.run()
+    arrival = 0.010 + 0.001 / 32 + 0.0001
+    assert r.instance == "d-0" and r.prefill_instance == "p-0"
+    assert r.kv_bytes == 10 * 131072
+    assert r.first_token == pytest.approx(arrival)
+    assert r.token_times == pytest.approx([arrival, arrival + 0.01, arrival + 0.02])
+    decode = sim.instances[1].core.scheduler
+    assert decode.kv.usage == 0 and not decode.requests  # committed, decoded, released
+
+
+def test_the_decode_side_cache_sends_only_the_missing_kv_and_a_full_decode_pool_waits(
+    tmp_path,
+):
+    prefix = tuple(range(64))
+    requests = [SimRequest(0.0, prefix + (100,), 2), SimRequest(1.0, prefix + (200,), 2)]
+    sim = Simulation(pd_cluster(tmp_path), requests)
+    first, second = sim.run()
+    assert first.kv_bytes == 65 * 131072 and second.kv_bytes == 1 * 131072  # 4 blocks held
+    # a decode pool of 80 tokens holds one such request at a time: the second waits for room
+    burst = [SimRequest(0.0, tuple(range(i * 100, i * 100 + 60)), 4) for i in range(2)]
+    sim = Simulation(pd_cluster(tmp_path, decode_kv=80), burst)
+    a, b = sim.run()
+    assert b.first_token > a.finished  # reserved only once the first left the decode pool
+    assert not a.error and not b.error
+
+
 def test_the_simulator_runs_the_classes_tandem_serve_runs(tmp_path):
     sim = Simulation(constant_cluster(tmp_path, count=2, router="prefix_aware"), [])
     for inst in sim.instances:
@@ -116,7 +159,17 @@ def test_roofline_model_reads_the_weights_once_a_step_and_divides_work_by_tp():
         ({"groups": []}, "cluster.groups"),
         ({"groups": [{"hardware": "TPU9"}]}, r"groups\[0\].hardware"),
         ({"groups": [{"hardware": "H100", "count": 0}]}, r"groups\[0\].count"),
-        ({"groups": [{"hardware": "H100", "role": "prefill"}]}, r"groups\[0\].role"),
+        ({"groups": [{"hardware": "H100", "role": "mixed"}]}, r"groups\[0\].role"),
+        ({"groups": [{"hardware": "H100", "role": "prefill"}]}, "needs prefill and decode"),
+        (
+            {
+                "groups": [
+                    {"name": "p", "hardware": "H100", "role": "prefill"},
+                    {"name": "d", "hardware": "H100", "role": "decode"},
+                ]
+            },
+            "no link from 'p' to 'd'",
+        ),  # fmt: skip
         ({"groups": [{"cost_model": "x.json"}]}, r"groups\[0\].kv_tokens"),
         ({"model": "gpt-9", "groups": [{"hardware": "H100"}]}, "model"),
         ({"groups": [{"hardware": "H100"}], "engine": {"warp": 9}}, "cluster.engine"),
