@@ -205,8 +205,13 @@ class EngineCore:
         )
 
     # ---- LoRA adapters ------------------------------------------------------------------
+    def read_lora(self, path: str):
+        """An adapter's files, read and checked by the runner; touches no engine state, so
+        the engine-core process calls it off the step loop."""
+        return self.runner.read_lora(path)
+
     def add_lora(self, lora_id: int, weights) -> None:
-        """Register an adapter the runner read (`runner.read_lora(path)`), under its id."""
+        """Register an adapter `read_lora` returned, under its id."""
         self.runner.add_lora(lora_id, weights)
         self.lora_ids.add(lora_id)
 

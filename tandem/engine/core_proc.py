@@ -158,7 +158,7 @@ class EngineCoreProc:
                 self.rejected.append((request.request_id, _reason(e)))
         elif kind == LOAD_LORA:
             op = self.lora_decoder.decode(frames[1])
-            self.loading[op.op_id] = (op, self.loader.submit(self.core.runner.read_lora, op.path))
+            self.loading[op.op_id] = (op, self.loader.submit(self.core.read_lora, op.path))
         elif kind == UNLOAD_LORA:
             op = self.lora_decoder.decode(frames[1])
             try:

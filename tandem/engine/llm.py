@@ -95,7 +95,7 @@ class LLM:
                 continue
             if not self.config.enable_lora:
                 raise ValueError("lora_request: LoRA is not enabled (LLM(..., enable_lora=True))")
-            self.engine.add_lora(lora.lora_int_id, self.engine.runner.read_lora(lora.lora_path))
+            self.engine.add_lora(lora.lora_int_id, self.engine.read_lora(lora.lora_path))
         return [lora.lora_int_id if lora else 0 for lora in loras]
 
     def remove_lora(self, lora_int_id: int) -> None:

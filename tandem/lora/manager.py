@@ -40,8 +40,8 @@ class LoRAManager:
                 setattr(parent, name, wrapped)
                 self.modules[(i, name)] = wrapped
         self.adapters: dict[int, AdapterWeights] = {}
-        self.slot_of: dict[int, int] = {}  # adapter id -> slot
-        self._lru: OrderedDict[int, None] = OrderedDict()  # adapter ids in slots, oldest first
+        # adapter id -> slot, least recently used first
+        self.slot_of: OrderedDict[int, int] = OrderedDict()
 
     # ---- the adapters known -------------------------------------------------------
     def read(self, path: str | Path) -> AdapterWeights:
@@ -56,7 +56,6 @@ class LoRAManager:
         self.adapters.pop(lora_id, None)
         slot = self.slot_of.pop(lora_id, None)
         if slot is not None:
-            del self._lru[lora_id]
             self._load(slot, None)
 
     # ---- a step ----------------------------------------------------------------------
@@ -99,14 +98,13 @@ class LoRAManager:
             index[row[slot], : len(idx)] = idx
         flat = index.reshape(-1)
         valid = flat >= 0
+        tokens = flat[valid]
         pad_index = self._tensor(np.where(index >= 0, index, 0))
-        pad_tokens = self._tensor(flat[valid])
         pad_valid = None if valid.all() else self._tensor(valid)
         pad_slots = self._tensor(np.array(slots)) if len(slots) < self.max_loras else None
-        inverse = None
-        if not groups and len(flat[valid]) == num_tokens and not (token_lora_ids == 0).any():
-            inverse = self._tensor(np.argsort(flat[valid]))
-        return LoRAContext(pad_slots, pad_index, pad_valid, pad_tokens, inverse, groups)
+        # every token of the step is in the layout (once): gather instead of scatter
+        inverse = self._tensor(np.argsort(tokens)) if len(tokens) == num_tokens else None
+        return LoRAContext(pad_slots, pad_index, pad_valid, self._tensor(tokens), inverse, groups)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
@@ -116,7 +114,7 @@ class LoRAManager:
             raise RuntimeError(f"a step uses {len(ids)} adapters; max_loras is {self.max_loras}")
         for lid in ids:
             if lid in self.slot_of:
-                self._lru.move_to_end(lid)
+                self.slot_of.move_to_end(lid)
                 continue
             if lid not in self.adapters:
                 raise RuntimeError(f"adapter {lid} is not loaded")
@@ -125,12 +123,10 @@ class LoRAManager:
             if free:
                 slot = free[0]
             else:  # evict the least recently used adapter this step does not need
-                victim = next(v for v in self._lru if v not in ids)
+                victim = next(v for v in self.slot_of if v not in ids)
                 slot = self.slot_of.pop(victim)
-                del self._lru[victim]
             self._load(slot, self.adapters[lid])
             self.slot_of[lid] = slot
-            self._lru[lid] = None
 
     def _load(self, slot: int, weights: AdapterWeights | None) -> None:
         for (layer, name), module in self.modules.items():
@@ -141,5 +137,5 @@ class LoRAManager:
 
     def check_invariants(self) -> None:
         assert len(self.slot_of) <= self.max_loras
-        assert set(self.slot_of) == set(self._lru) and set(self.slot_of) <= set(self.adapters)
+        assert set(self.slot_of) <= set(self.adapters), "a slot holds an unloaded adapter"
         assert len(set(self.slot_of.values())) == len(self.slot_of), "a slot holds two adapters"

@@ -67,16 +67,12 @@ def prepare_inputs(
 
     lora_ids = [s.request.lora_id for s in rows]
     token_lora_ids = np.repeat(np.array(lora_ids), lens) if any(lora_ids) else None
-    sample_flags = [s.sample for s in rows]
-    sample_index = np.array(
-        [
-            i
-            for s, end in zip(rows, ends.tolist())
-            if s.sample
-            for i in range(end - 1 - len(s.draft_token_ids), end)
-        ],
-        dtype=np.int64,
-    )
+    sample_flags = np.array([s.sample for s in rows], dtype=bool)
+    # each sampling row's last 1 + len(drafts) positions, in row order
+    per_row = np.array([1 + len(s.draft_token_ids) for s in rows])[sample_flags]
+    last = ends[sample_flags]
+    offsets = np.arange(per_row.sum()) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+    sample_index = np.repeat(last - per_row, per_row) + offsets
     to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
     return StepInputs(
         input_ids=to(input_ids),

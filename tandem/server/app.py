@@ -104,30 +104,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": serving.created,
-                "owned_by": "tandem",
-                "root": engine.model_path,
-                "parent": None,
-                "max_model_len": engine.max_model_len,
-            }
-            for name in serving.served_names
-        ]
-        data += [
-            {
-                "id": a.name,
-                "object": "model",
-                "created": serving.created,
-                "owned_by": "tandem",
-                "root": a.path,
-                "parent": serving.model_name,
-                "max_model_len": engine.max_model_len,
-            }
-            for a in serving.loras.adapters.values()
-        ]
+        def entry(name: str, root: str, parent: str | None) -> dict:
+            return {"id": name, "object": "model", "created": serving.created,
+                    "owned_by": "tandem", "root": root, "parent": parent,
+                    "max_model_len": engine.max_model_len}  # fmt: skip
+
+        data = [entry(name, engine.model_path, None) for name in serving.served_names]
+        data += [entry(a.name, a.path, serving.model_name) for a in serving.loras.adapters.values()]
         return json_response({"object": "list", "data": data})
 
     @app.post("/v1/load_lora_adapter")

@@ -94,6 +94,7 @@ class Simulation:
         ]
         self.front = [i for i in self.instances if i.group.role != "prefill"]  # clients see
         self.prefill = [i for i in self.instances if i.group.role == "prefill"]
+        self.by_name = {i.name: i for i in self.instances}
         self.policy = build_policy(cluster.router, cluster.groups[0].cost_model)
         self.prefill_policy = LeastLoad()  # as the proxy picks prefill instances
         self.kv_bytes_per_token = cluster.model.kv_bytes_per_token()
@@ -193,14 +194,14 @@ class Simulation:
 
     def _kv_arrival(self, prefill: Instance, rid: str, start: float, end: float) -> float:
         record = self.records[rid]
-        decode = next(i for i in self.front if i.name == record.instance)
+        decode = self.by_name[record.instance]
         link = self.cluster.links[(prefill.group.name, decode.group.name)]
         whole = link.transfer_seconds(record.kv_bytes)
         last_layer = whole / self.cluster.model.num_layers
         return max(end + last_layer, start + whole) + link.latency_s
 
     def _commit(self, when: float, rid: str, first_token: int) -> None:
-        decode = next(i for i in self.front if i.name == self.records[rid].instance)
+        decode = self.by_name[self.records[rid].instance]
         if not decode.core.has_unfinished() or decode.core.stalled:  # idle until the KV came
             decode.clock.now = max(decode.clock.now, when)
         for out in decode.core.commit(rid, first_token):
@@ -215,3 +216,9 @@ class Simulation:
         if out.finish_reason is not None:
             record.finished = now
             record.error = out.error or ""
+
+
+def _core_request(req: SimRequest, rid: str, kv_transfer=None) -> EngineCoreRequest:
+    """What the front end would send for it: its prompt, run to its output length."""
+    params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0)
+    return EngineCoreRequest(rid, list(req.prompt), params, req.arrival, kv_transfer=kv_transfer)
