@@ -35,7 +35,7 @@ class GroupSpec:
     kv_tokens: int  # KV capacity of one instance
     hardware: str
     tp: int = 1
-    price_per_hour: float = 0.0  # of one instance (all its devices)
+    price_per_hour: float = 0.0  # of one instance (all its devices); roofline: the device's x tp
     role: str = "both"  # both | prefill | decode
 
 
@@ -67,7 +67,10 @@ class ClusterSpec:
 
     @classmethod
     def load(cls, path: str | Path) -> ClusterSpec:
-        text = Path(path).read_text()
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ValueError(f"cluster: cannot read {str(path)!r}: {e.strerror}") from None
         if str(path).endswith((".yaml", ".yml")):
             import yaml
 
@@ -113,6 +116,7 @@ def _group(g: dict, i: int, model: ModelSpec, base: Path) -> GroupSpec:
             raise ValueError(f"{where}.kv_tokens: a profiled group needs its KV capacity")
         cost = CostModel.load(base / g["cost_model"])
         kv, hardware = int(g["kv_tokens"]), g.get("hardware", "profiled")
+        price = 0.0
     else:
         hardware = g.get("hardware")
         if hardware not in HARDWARE:
@@ -122,8 +126,9 @@ def _group(g: dict, i: int, model: ModelSpec, base: Path) -> GroupSpec:
         hw = HARDWARE[hardware]
         cost = roofline_cost_model(hw, model, tp)
         kv = int(g.get("kv_tokens") or kv_capacity_tokens(hw, model, tp))
+        price = hw.price_per_hour * tp
     return GroupSpec(g.get("name", f"group{i}"), count, cost, kv, hardware, tp,
-                     float(g.get("price_per_hour", 0.0)), role)  # fmt: skip
+                     float(g.get("price_per_hour", price)), role)  # fmt: skip
 
 
 def _links(items: list, groups: list[GroupSpec]) -> dict[tuple[str, str], Link]:

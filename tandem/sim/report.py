@@ -38,6 +38,9 @@ def summarize(sim: Simulation, records: list[Record], percentiles=(90, 99),
     start = min((r.request.arrival for r in records), default=0.0)
     duration = max(end - start, 1e-9)
     summary = metrics.summarize(results, duration, percentiles, goodput)
+    class_slos = {r.request.cls: r.request.slo for r in records if r.request.slo}
+    if goodput or class_slos:  # per class where classes carry SLOs, else --goodput's
+        summary["slo_attainment"] = metrics.attainment(results, class_slos, goodput)
     dollars = sum(i.group.price_per_hour for i in sim.instances) * duration / 3600
     out_tokens = summary["total_output_tokens"]
     groups = {}
@@ -60,3 +63,14 @@ def summarize(sim: Simulation, records: list[Record], percentiles=(90, 99),
         "cost_per_million_output_tokens": dollars / out_tokens * 1e6 if out_tokens else None,
         "groups": groups,
     }
+
+
+def simulate(cluster, requests, goodput: dict[str, float] | None = None) -> dict:
+    """Run `requests` on `cluster` and summarize them."""
+    sim = Simulation(cluster, requests)
+    return summarize(sim, sim.run(), goodput=goodput)
+
+
+def attained(result: dict) -> float:
+    """The fraction of requests that met their SLOs (1.0 when none were set)."""
+    return (result.get("slo_attainment") or {}).get("all", {}).get("attainment", 1.0)

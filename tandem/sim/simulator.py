@@ -21,6 +21,7 @@ decode instance commits (`EngineCore.commit`) and the client sees the first toke
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from tandem.core.clock import FakeClock
 from tandem.core.kv_cache_manager import KVCacheManager
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler import Scheduler, SchedulerConfig
+from tandem.core.slo import SLOClass
 from tandem.engine.builder import build_batch_policy
 from tandem.engine.core import EngineCore
 from tandem.engine.messages import EngineCoreRequest, KVTransferParams
@@ -145,23 +147,15 @@ class Simulation:
     def _add(self, inst: Instance, req: SimRequest, rid: str, now: float, kv_transfer=None):
         if not inst.core.has_unfinished():  # idle until now
             inst.clock.now = max(inst.clock.now, now)
-        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0)
         try:
-            inst.core.add_request(
-                EngineCoreRequest(
-                    rid, list(req.prompt), params, req.arrival, kv_transfer=kv_transfer
-                )  # fmt: skip
-            )
+            inst.core.add_request(_core_request(req, rid, kv_transfer))
         except ValueError as e:  # refused as the engine refuses it (too long for the pool)
             self.records[rid].error = str(e)
 
     def _reserve(self, decode: Instance, req: SimRequest, rid: str, now: float) -> bool:
         """Stages 1 and 2 of the handoff; False: no room on the decode instance yet."""
-        params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0)
         try:
-            held = decode.core.reserve(
-                EngineCoreRequest(rid, list(req.prompt), params, req.arrival)
-            )
+            held = decode.core.reserve(_core_request(req, rid))
         except ValueError as e:
             self.records[rid].error = str(e)
             return True
@@ -219,6 +213,17 @@ class Simulation:
 
 
 def _core_request(req: SimRequest, rid: str, kv_transfer=None) -> EngineCoreRequest:
-    """What the front end would send for it: its prompt, run to its output length."""
-    params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0)
-    return EngineCoreRequest(rid, list(req.prompt), params, req.arrival, kv_transfer=kv_transfer)
+    """What the front end would send for it: its prompt, run to its output length, with
+    its class's priority and SLO targets."""
+    ttft, tpot = req.slo.get("ttft"), req.slo.get("tpot")
+    params = SamplingParams(max_tokens=req.output_len, ignore_eos=True, temperature=0.0,
+                            ttft_ms=ttft, tpot_ms=tpot)  # fmt: skip
+    priority = 0 if req.priority is None else req.priority
+    slo = _slo_class(req.cls, priority, ttft, tpot)
+    return EngineCoreRequest(rid, list(req.prompt), params, req.arrival, priority, slo,
+                             kv_transfer)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def _slo_class(name: str, priority: int, ttft_ms, tpot_ms) -> SLOClass:
+    return SLOClass(name, priority, ttft_ms, tpot_ms)

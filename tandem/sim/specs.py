@@ -93,17 +93,19 @@ class Hardware:
     mem_bandwidth_gbs: float  # GB/s
     mem_gib: float
     interconnect_gbs: float = 0.0  # per-direction bandwidth between TP peers (GB/s)
+    price_per_hour: float = 0.0  # one device, on demand (an assumption; groups may override)
     compute_efficiency: float = 0.5  # of peak FLOP/s a serving step reaches
     bandwidth_efficiency: float = 0.7  # of peak bandwidth
 
 
-# Published peak figures (dense bf16, HBM bandwidth, memory); efficiencies are assumptions.
+# Published peak figures (dense bf16, HBM bandwidth, memory); prices (typical on-demand
+# cloud $/device-hour in 2026) and efficiencies are assumptions.
 HARDWARE = {
-    "H100": Hardware("H100", 989.0, 3350.0, 80.0, 450.0),
-    "H200": Hardware("H200", 989.0, 4800.0, 141.0, 450.0),
-    "A100": Hardware("A100", 312.0, 2039.0, 80.0, 300.0),
-    "L40S": Hardware("L40S", 362.0, 864.0, 48.0, 32.0),
-    "MI300X": Hardware("MI300X", 1307.0, 5300.0, 192.0, 448.0),
+    "H100": Hardware("H100", 989.0, 3350.0, 80.0, 450.0, 3.00),
+    "H200": Hardware("H200", 989.0, 4800.0, 141.0, 450.0, 3.80),
+    "A100": Hardware("A100", 312.0, 2039.0, 80.0, 300.0, 1.80),
+    "L40S": Hardware("L40S", 362.0, 864.0, 48.0, 32.0, 1.00),
+    "MI300X": Hardware("MI300X", 1307.0, 5300.0, 192.0, 448.0, 2.60),
 }
 
 _LLAMA3_8B = dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,

@@ -8,11 +8,12 @@ from __future__ import annotations
 import csv
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 from tandem.bench.arrivals import arrival_times
+from tandem.bench.workloads import RequestClass
 
 VOCAB = 32000
 MOONCAKE_BLOCK = 512  # tokens per hash id in Mooncake's traces
@@ -24,6 +25,8 @@ class SimRequest:
     prompt: tuple[int, ...]
     output_len: int
     cls: str = "default"
+    priority: int | None = None  # lower is more urgent, as vLLM
+    slo: dict[str, float] = field(default_factory=dict, hash=False)  # ttft | tpot | e2el -> ms
 
 
 def _lengths(rng: random.Random, mean: int, ratio: float) -> int:
@@ -43,6 +46,23 @@ def random_requests(n: int, input_len: int, output_len: int, rate: float, seed: 
         )
         for t in times
     ]
+
+
+def multi_class_requests(n: int, classes: list[RequestClass], rate: float, seed: int = 0,
+                         burstiness: float = 1.0) -> list[SimRequest]:  # fmt: skip
+    """Each request's class drawn by share (`tandem bench --class` specs); its lengths,
+    priority and SLOs from its class."""
+    if not classes:
+        raise ValueError("classes: give at least one --class")
+    rng = random.Random(seed)
+    times = arrival_times(n, rate, burstiness, seed)
+    weights = [c.share for c in classes]
+    out = []
+    for t in times:
+        c = rng.choices(classes, weights)[0]
+        prompt = tuple(rng.randrange(VOCAB) for _ in range(c.input_len.draw(rng)))
+        out.append(SimRequest(t, prompt, c.output_len.draw(rng), c.name, c.priority, c.slo))
+    return out
 
 
 def shared_prefix_requests(n: int, groups: int, prefix_len: int, input_len: int,
