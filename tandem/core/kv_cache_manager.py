@@ -105,6 +105,10 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(prefix) * bs
         num_held = len(request.block_ids) + len(prefix)
         num_new_blocks = max(0, self.blocks_for(num_computed + num_new_tokens) - num_held)
+        if not num_new_blocks and not prefix:  # most decode steps: room already held
+            if publish and self.cache is not None:
+                self._insert_full_blocks(request, num_computed + num_new_tokens - num_unverified)
+            return True
         prefix_ids = [n.block_id for n in prefix]
         revived = sum(1 for b in prefix_ids if self.pool.ref_cnt[b] == 0)
         if num_new_blocks > self.num_free_blocks - revived:
@@ -140,7 +144,9 @@ class KVCacheManager:
         """Publish the request's blocks that are full once num_tokens are computed. They go in
         at schedule time: a request admitted later in the same step reads them after this
         step's KV write, which precedes attention in every layer."""
-        cursor = self._cursors.setdefault(request.request_id, _InsertCursor())
+        cursor = self._cursors.get(request.request_id)
+        if cursor is None:
+            cursor = self._cursors[request.request_id] = _InsertCursor()
         bs, tokens = self.block_size, request.all_token_ids
         while not cursor.stopped and cursor.num_blocks < num_tokens // bs:
             i = cursor.num_blocks

@@ -65,6 +65,7 @@ class SchedulerOutput:
     finished_ids: list[str] = field(default_factory=list)
     # Requests this schedule() finished because they could no longer meet their SLO.
     shed: list[Request] = field(default_factory=list)
+    _shape: StepShape | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -78,18 +79,28 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def shape(self) -> StepShape:
+        """What the cost model reads of this plan (computed once: core, runner and online
+        fit all ask)."""
+        if self._shape is None:
+            self._shape = StepShape.of(self.scheduled)
+        return self._shape
+
 
 def stop_status(request: Request, max_model_len: int) -> RequestStatus | None:
     """Why the request must stop after its latest token, if it must. Stop strings are the
     detokenizer's business (they need text)."""
     params, token = request.sampling_params, request.all_token_ids[-1]
-    if request.num_output_tokens >= params.min_tokens:
+    num_tokens = len(request.all_token_ids)
+    num_output = num_tokens - request.num_prompt_tokens
+    if num_output >= params.min_tokens:
         if not params.ignore_eos and token in params.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token in params.stop_token_ids:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+    if num_output >= request.max_tokens or num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH
     return None
 
@@ -332,7 +343,7 @@ class Scheduler:
         accepted drafts and one more); finish those that hit a stop condition (tokens after
         the stop are dropped). `drafts` are the proposals for each request's next step.
         Returns the requests that finished in this step."""
-        finished = []
+        finished, now = [], self.clock()
         for s in plan.scheduled:
             req = s.request
             if req.is_finished:
@@ -346,7 +357,7 @@ class Scheduler:
             req.draft_token_ids = (drafts or {}).get(req.request_id) or []
             for token in tokens:
                 req.append_token(token)
-                req.last_token_time = self.clock()
+                req.last_token_time = now
                 status = stop_status(req, self.config.max_model_len)
                 if status is not None:
                     self.running.remove(req)
@@ -363,7 +374,7 @@ class Scheduler:
         """A step's measured time, for a cost model that learns online."""
         observe = getattr(self.cost_model, "observe", None)
         if observe is not None and plan.scheduled:
-            observe(StepShape.of(plan.scheduled), seconds)
+            observe(plan.shape, seconds)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

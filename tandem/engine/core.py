@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from tandem.core.cost_model import StepShape
 from tandem.core.request import Request, RequestStatus
 from tandem.core.runner import Runner, RunnerOutput
 from tandem.core.scheduler import Scheduler, SchedulerOutput
@@ -76,7 +75,7 @@ class EngineCore:
         if plan.is_empty and not plan.finished_ids and not plan.shed:
             return []
         cost = self.scheduler.cost_model
-        self.predicted_step_seconds = cost.predict(StepShape.of(plan.scheduled)) if cost else None
+        self.predicted_step_seconds = cost.predict(plan.shape) if cost else None
         t1 = self.clock()
         try:
             result = self.runner.execute(plan)  # an empty plan still releases finished state
@@ -88,11 +87,11 @@ class EngineCore:
         self.step_seconds = t2 - t1
         self.scheduler.observe_step(plan, t2 - t1)
         outputs = [_shed_output(r) for r in plan.shed] + self._fail(errors)
-        before = {s.request.request_id: s.request.num_tokens for s in plan.scheduled}
+        before = [s.request.num_tokens for s in plan.scheduled]
         self.scheduler.update(plan, result.sampled, result.drafts)
-        for s in plan.scheduled:
+        for s, num_before in zip(plan.scheduled, before):
             req = s.request
-            new = req.all_token_ids[before[req.request_id] :]  # a stop may have cut drafts
+            new = req.all_token_ids[num_before:]  # a stop may have cut drafts
             if not new or req.request_id in errors:
                 continue
             logprobs = result.logprobs.get(req.request_id)

@@ -8,6 +8,8 @@ import argparse
 import platform
 import random
 
+from tandem.runner.profile import ProfileGrid
+
 
 def add_parser(sub) -> None:
     from tandem.engine.config import add_engine_args
@@ -19,6 +21,9 @@ def add_parser(sub) -> None:
         "--repeats", type=int, default=3, help="timed runs per point (the fastest counts)"
     )
     p.add_argument("--folds", type=int, default=4, help="cross-validation folds (held-out error)")
+    g = p.add_argument_group("grid (comma-separated values; every combination is timed)")
+    for name, values in vars(ProfileGrid()).items():
+        g.add_argument(f"--{name.replace('_', '-')}", default=",".join(map(str, values)))
     add_engine_args(p)
 
 
@@ -26,19 +31,20 @@ def run(args: argparse.Namespace) -> int:
     from tandem.core.cost_model import CostModel
     from tandem.engine.builder import build_engine
     from tandem.engine.config import engine_config_from_args
-    from tandem.runner.profile import ProfileGrid, profile_steps
+    from tandem.runner.profile import profile_steps
 
     if args.folds < 2:
         raise ValueError(f"folds must be >= 2, got {args.folds}")
     if args.repeats < 2:
         raise ValueError(f"repeats must be >= 2, got {args.repeats}")
+    grid = ProfileGrid(**{name: _ints(name, getattr(args, name)) for name in vars(ProfileGrid())})
     config = engine_config_from_args(args, args.model)
     core, loaded = build_engine(config)
     print(f"profiling {loaded.model_path.name} ({loaded.dtype} on {loaded.device})")
     print(f"{'prefill':>8} {'decodes':>8} {'kv tokens':>10} {'ms':>9}")
     points = profile_steps(
         core,
-        ProfileGrid(),
+        grid,
         loaded.model_config.vocab_size,
         args.repeats,
         lambda s, t: print(
@@ -78,3 +84,13 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"saved to {args.output}")
     return 0
+
+
+def _ints(name: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 0:
+        raise ValueError(f"{name}: {text!r} is not a comma-separated list of integers >= 0")
+    return values

@@ -14,7 +14,7 @@ import math
 import time
 from pathlib import Path
 
-DATASETS = ("random", "shared-prefix", "multi-class", "mooncake", "azure")
+DATASETS = ("random", "shared-prefix", "multi-turn", "multi-class", "mooncake", "azure")
 BANNER = "SIMULATED (tandem sim): figures below come from the cost model, not hardware"
 
 
@@ -61,6 +61,10 @@ def _workload_args(p) -> None:
     p.add_argument("--random-range-ratio", type=float, default=0.0)
     p.add_argument("--prefix-groups", type=int, default=8)
     p.add_argument("--prefix-len", type=int, default=512)
+    p.add_argument("--turns", type=int, default=5, help="multi-turn: turns a conversation")
+    p.add_argument(
+        "--think-time", type=float, default=20.0, help="multi-turn: seconds between turns"
+    )
     p.add_argument(
         "--class",
         dest="classes",
@@ -86,6 +90,10 @@ def workload(args, rate: float):
         return w.shared_prefix_requests(args.num_prompts, args.prefix_groups, args.prefix_len,
                                         args.random_input_len, args.random_output_len,
                                         rate, args.seed)  # fmt: skip
+    if args.dataset_name == "multi-turn":  # the rate is of conversations
+        conversations = max(1, args.num_prompts // args.turns)
+        return w.multi_turn_requests(conversations, args.turns, args.random_input_len,
+                                     args.random_output_len, rate, args.think_time, args.seed)  # fmt: skip
     if args.dataset_name == "multi-class":
         classes = [RequestClass.parse(c) for c in args.classes]
         return w.multi_class_requests(args.num_prompts, classes, rate, args.seed, args.burstiness)

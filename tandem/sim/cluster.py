@@ -9,6 +9,7 @@ JSON, checked with errors naming the field.
     groups:
       - {name: h100, hardware: H100, count: 4, tp: 1, price_per_hour: 2.5}
       - {name: local, cost_model: cost.json, kv_tokens: 100000, count: 1}
+      # per group also: role (below), prefix_caching: false (no radix cache)
 
 Prefill/decode disaggregation: groups with `role: prefill` and `role: decode`, and a link
 between them (KV transfer time = bytes / bandwidth + latency, overlapped layer by layer):
@@ -37,6 +38,7 @@ class GroupSpec:
     tp: int = 1
     price_per_hour: float = 0.0  # of one instance (all its devices); roofline: the device's x tp
     role: str = "both"  # both | prefill | decode
+    prefix_caching: bool = True  # its radix cache (off: every prompt computed, or sent, whole)
 
 
 @dataclass(frozen=True)
@@ -127,8 +129,11 @@ def _group(g: dict, i: int, model: ModelSpec, base: Path) -> GroupSpec:
         cost = roofline_cost_model(hw, model, tp)
         kv = int(g.get("kv_tokens") or kv_capacity_tokens(hw, model, tp))
         price = hw.price_per_hour * tp
+    caching = g.get("prefix_caching", True)
+    if not isinstance(caching, bool):
+        raise ValueError(f"{where}.prefix_caching must be true or false, got {caching!r}")
     return GroupSpec(g.get("name", f"group{i}"), count, cost, kv, hardware, tp,
-                     float(g.get("price_per_hour", price)), role)  # fmt: skip
+                     float(g.get("price_per_hour", price)), role, caching)  # fmt: skip
 
 
 def _links(items: list, groups: list[GroupSpec]) -> dict[tuple[str, str], Link]:

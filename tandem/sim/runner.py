@@ -5,7 +5,6 @@ samples gets one token. The engine loop cannot tell it from the model runner."""
 from __future__ import annotations
 
 from tandem.core.clock import FakeClock
-from tandem.core.cost_model import StepShape
 from tandem.core.runner import RunnerOutput
 from tandem.core.scheduler import SchedulerOutput
 
@@ -20,7 +19,7 @@ class SimulatedRunner:
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if plan.is_empty:
             return RunnerOutput()
-        seconds = self.cost_model.predict(StepShape.of(plan.scheduled))
+        seconds = self.cost_model.predict(plan.shape)
         self.clock.advance(seconds)
         self.busy_seconds += seconds
         return RunnerOutput(

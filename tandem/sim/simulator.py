@@ -21,6 +21,7 @@ decode instance commits (`EngineCore.commit`) and the client sees the first toke
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import itertools
@@ -63,7 +64,7 @@ class Instance:
         self.name, self.group = name, group
         self.clock = FakeClock()
         block_size = settings["block_size"]
-        kv = KVCacheManager(1 + group.kv_tokens // block_size, block_size)
+        kv = KVCacheManager(1 + group.kv_tokens // block_size, block_size, group.prefix_caching)
         config = SchedulerConfig(
             settings["max_num_seqs"], settings["max_num_batched_tokens"], MAX_MODEL_LEN
         )
@@ -104,27 +105,39 @@ class Simulation:
         self.num_steps = 0
         self._events: list[tuple[float, int, str, tuple]] = []  # (time, seq, kind, payload)
         self._seq = itertools.count()
+        # Instances with a step to run, as (clock, index, version): an instance is re-entered
+        # whenever something changes it (`_touch`), and only its latest entry counts.
+        self._ready: list[tuple[float, int, int]] = []
+        self._versions = [0] * len(self.instances)
+        self._index = {id(inst): n for n, inst in enumerate(self.instances)}
 
     def run(self) -> list[Record]:
         for n, req in enumerate(self.requests):
             self._push(req.arrival, "arrive", (req, f"r{n}"))
+        ready = self._ready
         while True:
-            ready = [(i.clock(), n, i) for n, i in enumerate(self.instances) if i.has_work]
-            step = min(ready, key=lambda x: (x[0], x[1])) if ready else None
-            if self._events and (step is None or self._events[0][0] <= step[0]):
+            while ready and ready[0][2] != self._versions[ready[0][1]]:  # superseded entries
+                heapq.heappop(ready)
+            if self._events and (not ready or self._events[0][0] <= ready[0][0]):
                 when, _, kind, payload = heapq.heappop(self._events)
                 if kind == "arrive":
                     self._arrive(*payload)
                 else:
                     self._commit(when, *payload)
-            elif step is not None:
-                self._step(step[2])
+            elif ready:
+                self._step(self.instances[heapq.heappop(ready)[1]])
             else:
                 break
         stuck = [i.name for i in self.instances if i.core.has_unfinished() or i.backlog]
         if stuck:  # only a request larger than an instance's pool could do this
             raise RuntimeError(f"instances {stuck} hold requests they can never run")
         return [self.records[f"r{n}"] for n in range(len(self.requests))]
+
+    def _touch(self, inst: Instance) -> None:
+        n = self._index[id(inst)]
+        self._versions[n] += 1
+        if inst.has_work:
+            heapq.heappush(self._ready, (inst.clock(), n, self._versions[n]))
 
     def _push(self, when: float, kind: str, payload: tuple) -> None:
         heapq.heappush(self._events, (when, next(self._seq), kind, payload))
@@ -136,8 +149,12 @@ class Simulation:
         return next(i for i in instances if i.state is target)
 
     def _arrive(self, req: SimRequest, rid: str) -> None:
+        record = Record(req)  # keeps the lazy prompt: the report needs only its length
+        if not isinstance(req.prompt, (tuple, list)):  # drawn ids: made once, while in flight
+            req = dataclasses.replace(req, prompt=tuple(req.prompt))
         inst = self._route(self.policy, self.front, req)
-        self.records[rid] = Record(req, inst.name)
+        record.instance = inst.name
+        self.records[rid] = record
         if self.prefill:
             if inst.backlog or not self._reserve(inst, req, rid, req.arrival):  # in order
                 inst.backlog.append((req, rid))
@@ -148,17 +165,19 @@ class Simulation:
         if not inst.core.has_unfinished():  # idle until now
             inst.clock.now = max(inst.clock.now, now)
         try:
-            inst.core.add_request(_core_request(req, rid, kv_transfer))
+            inst.core.add_request(core_request(req, rid, kv_transfer))
         except ValueError as e:  # refused as the engine refuses it (too long for the pool)
             self.records[rid].error = str(e)
+        self._touch(inst)
 
     def _reserve(self, decode: Instance, req: SimRequest, rid: str, now: float) -> bool:
         """Stages 1 and 2 of the handoff; False: no room on the decode instance yet."""
         try:
-            held = decode.core.reserve(_core_request(req, rid))
+            held = decode.core.reserve(core_request(req, rid))
         except ValueError as e:
             self.records[rid].error = str(e)
             return True
+        self._touch(decode)
         if held is None:
             return False
         prefill = self._route(self.prefill_policy, self.prefill, req)
@@ -180,11 +199,12 @@ class Simulation:
                                (out.request_id, out.new_token_ids[0]))  # fmt: skip
                 elif out.finish_reason is not None:
                     self.records[out.request_id].error = out.error or "prefill failed"
-            return
-        for out in outputs:
-            self._record(out, now)
-        while inst.backlog and self._reserve(inst, *inst.backlog[0], now):
-            inst.backlog.pop(0)
+        else:
+            for out in outputs:
+                self._record(out, now)
+            while inst.backlog and self._reserve(inst, *inst.backlog[0], now):
+                inst.backlog.pop(0)
+        self._touch(inst)
 
     def _kv_arrival(self, prefill: Instance, rid: str, start: float, end: float) -> float:
         record = self.records[rid]
@@ -200,6 +220,7 @@ class Simulation:
             decode.clock.now = max(decode.clock.now, when)
         for out in decode.core.commit(rid, first_token):
             self._record(out, max(when, decode.clock()))
+        self._touch(decode)
 
     def _record(self, out, now: float) -> None:
         record = self.records[out.request_id]
@@ -212,7 +233,7 @@ class Simulation:
             record.error = out.error or ""
 
 
-def _core_request(req: SimRequest, rid: str, kv_transfer=None) -> EngineCoreRequest:
+def core_request(req: SimRequest, rid: str, kv_transfer=None) -> EngineCoreRequest:
     """What the front end would send for it: its prompt, run to its output length, with
     its class's priority and SLO targets."""
     ttft, tpot = req.slo.get("ttft"), req.slo.get("tpot")

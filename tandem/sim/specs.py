@@ -114,6 +114,9 @@ MODELS = {
     "llama-3-8b": _LLAMA3_8B,
     "llama-3-70b": dict(num_hidden_layers=80, hidden_size=8192, num_attention_heads=64,
                         num_key_value_heads=8, intermediate_size=28672, vocab_size=128256),
+    "smollm2-135m": dict(num_hidden_layers=30, hidden_size=576, num_attention_heads=9,
+                         num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
+                         tie_word_embeddings=True),  # tandem's bundled model
     "qwen2.5-32b": dict(num_hidden_layers=64, hidden_size=5120, num_attention_heads=40,
                         num_key_value_heads=8, intermediate_size=27648, vocab_size=152064),
 }  # fmt: skip

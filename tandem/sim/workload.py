@@ -8,9 +8,12 @@ from __future__ import annotations
 import csv
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+
+import numpy as np
 
 from tandem.bench.arrivals import arrival_times
 from tandem.bench.workloads import RequestClass
@@ -19,10 +22,42 @@ VOCAB = 32000
 MOONCAKE_BLOCK = 512  # tokens per hash id in Mooncake's traces
 
 
+class RandomTokens(Sequence):
+    """`n` token ids drawn from a seed, made each time they are read: an hour of traffic
+    holds hundreds of millions of prompt tokens, which would not fit in memory as tuples,
+    while only the requests in flight need theirs."""
+
+    __slots__ = ("seed", "n")
+
+    def __init__(self, seed: tuple[int, ...], n: int) -> None:
+        self.seed, self.n = seed, n
+
+    def _ids(self) -> list[int]:
+        return np.random.default_rng(self.seed).integers(0, VOCAB, self.n).tolist()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        return self._ids()[i]
+
+    def __iter__(self):
+        return iter(self._ids())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and len(other) == self.n and list(self) == list(other)
+
+    def __hash__(self) -> int:
+        return hash((self.seed, self.n))
+
+    def __repr__(self) -> str:
+        return f"RandomTokens(seed={self.seed}, n={self.n})"
+
+
 @dataclass(frozen=True)
 class SimRequest:
     arrival: float  # seconds from the start
-    prompt: tuple[int, ...]
+    prompt: Sequence[int]  # token ids (a tuple, or RandomTokens)
     output_len: int
     cls: str = "default"
     priority: int | None = None  # lower is more urgent, as vLLM
@@ -41,10 +76,10 @@ def random_requests(n: int, input_len: int, output_len: int, rate: float, seed: 
     return [
         SimRequest(
             t,
-            tuple(rng.randrange(VOCAB) for _ in range(_lengths(rng, input_len, range_ratio))),
+            RandomTokens((seed, i), _lengths(rng, input_len, range_ratio)),
             _lengths(rng, output_len, range_ratio),
         )
-        for t in times
+        for i, t in enumerate(times)
     ]
 
 
@@ -58,10 +93,25 @@ def multi_class_requests(n: int, classes: list[RequestClass], rate: float, seed:
     times = arrival_times(n, rate, burstiness, seed)
     weights = [c.share for c in classes]
     out = []
-    for t in times:
+    for i, t in enumerate(times):
         c = rng.choices(classes, weights)[0]
-        prompt = tuple(rng.randrange(VOCAB) for _ in range(c.input_len.draw(rng)))
+        prompt = RandomTokens((seed, i), c.input_len.draw(rng))
         out.append(SimRequest(t, prompt, c.output_len.draw(rng), c.name, c.priority, c.slo))
+    return out
+
+
+def from_bench(sessions, encode, rate: float, burstiness: float = 1.0,
+               seed: int = 0) -> list[SimRequest]:  # fmt: skip
+    """The requests a `tandem bench serve` run of these single-request sessions sends, at the
+    arrival times it draws (same rate, burstiness and seed), each prompt as `encode` (the
+    server's tokenizer) turns it into ids: a simulation of the very run."""
+    times = arrival_times(len(sessions), rate, burstiness, seed)
+    out = []
+    for t, session in zip(times, sessions):
+        if len(session.requests) != 1:
+            raise ValueError("from_bench: multi-turn sessions depend on earlier replies")
+        r = session.requests[0]
+        out.append(SimRequest(t, tuple(encode(r.prompt)), r.output_len, r.cls, r.priority))
     return out
 
 
@@ -80,6 +130,24 @@ def shared_prefix_requests(n: int, groups: int, prefix_len: int, input_len: int,
         )  # fmt: skip
         for i, t in enumerate(times)
     ]
+
+
+def multi_turn_requests(conversations: int, turns: int, input_len: int, output_len: int,
+                        rate: float, think_time: float, seed: int = 0) -> list[SimRequest]:  # fmt: skip
+    """Conversations starting at `rate` (Poisson); each turn resends the whole history (its
+    earlier prompts and the replies, which simulated instances generate as SIM_TOKEN) plus
+    input_len new tokens, `think_time` seconds after the previous turn began. The history is
+    then exactly the tokens an instance that served the previous turn holds KV for."""
+    from tandem.sim.runner import SIM_TOKEN
+
+    out = []
+    for c, start in enumerate(arrival_times(conversations, rate, 1.0, seed)):
+        history: tuple[int, ...] = ()
+        for t in range(turns):
+            history += tuple(RandomTokens((seed, c, t), input_len))
+            out.append(SimRequest(start + t * think_time, history, output_len, "multi-turn"))
+            history += (SIM_TOKEN,) * output_len
+    return sorted(out, key=lambda r: r.arrival)
 
 
 def _block_tokens(hash_id: int, size: int) -> tuple[int, ...]:

@@ -4,6 +4,7 @@ very classes `tandem serve` runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -17,9 +18,10 @@ from tandem.engine.core import EngineCore
 from tandem.router import policy
 from tandem.sim.cluster import ClusterSpec
 from tandem.sim.report import summarize
+from tandem.sim.runner import SIM_TOKEN
 from tandem.sim.simulator import Simulation
 from tandem.sim.specs import HARDWARE, MODELS, ModelSpec, kv_capacity_tokens, roofline_cost_model
-from tandem.sim.workload import SimRequest, mooncake_trace, random_requests
+from tandem.sim.workload import SimRequest, mooncake_trace, multi_turn_requests, random_requests
 
 
 def constant_cluster(tmp_path, seconds=0.01, count=1, router="round_robin", kv_tokens=4096):
@@ -93,6 +95,30 @@ def test_the_decode_side_cache_sends_only_the_missing_kv_and_a_full_decode_pool_
     a, b = sim.run()
     assert b.first_token > a.finished  # reserved only once the first left the decode pool
     assert not a.error and not b.error
+
+
+def test_multi_turn_history_is_held_by_the_decode_cache_unless_it_is_off(tmp_path):
+    # each turn resends the previous prompt and its (simulated) reply, then 64 new tokens
+    requests = multi_turn_requests(3, 3, 64, 16, 10.0, 1.0, seed=0)
+    assert [len(r.prompt) for r in requests[:3]] == [64] * 3  # first turns
+    by_conversation = sorted(requests, key=lambda r: (r.prompt[:4], r.arrival))
+    assert by_conversation[1].prompt[: 64 + 16] == by_conversation[0].prompt + (SIM_TOKEN,) * 16
+    sent = {}
+    for caching in (True, False):
+        cluster = pd_cluster(tmp_path)
+        groups = [g if g.role == "prefill" else dataclasses.replace(g, prefix_caching=caching)
+                  for g in cluster.groups]  # fmt: skip
+        result = summarize(*_run(dataclasses.replace(cluster, groups=groups), requests))
+        sent[caching] = result["kv_transfer_bytes"] / 131072  # tokens of Llama-3-8B KV
+        assert result["completed"] == 9
+    assert sent[False] == sum(len(r.prompt) for r in requests)  # every prompt, whole
+    # with the cache, a later turn sends its new tokens and what its held blocks do not cover
+    assert sent[True] <= 3 * 64 + 6 * (64 + 16)
+
+
+def _run(cluster, requests):
+    sim = Simulation(cluster, requests)
+    return sim, sim.run()
 
 
 def test_the_simulator_runs_the_classes_tandem_serve_runs(tmp_path):

@@ -1,0 +1,240 @@
+"""`tandem sim` against the real thing: this machine's fitted profile (`tandem profile`) in
+the simulator vs `tandem bench serve` against real servers, on the same seeded requests (the
+bench's own prompts, tokenized as the server tokenizes them, at the arrival times it draws),
+at several request rates, colocated and 1 prefill + 1 decode through `tandem proxy`:
+
+    python benchmarks/sim_validation.py [--rates 0.5,1.5,2.5] [--num-prompts 60]
+
+Three modes: `engine`, the real EngineCore and ModelRunner in-process on the wall clock (no
+HTTP; every core, profiled so); `served`, `tandem serve` pinned to one core (`taskset`,
+OMP_NUM_THREADS=1, as an instance on its own device) with the bench client on the other; and
+`1p1d`, prefill and decode servers pinned to a core each behind `tandem proxy`, profiled on
+one core. Each mode is profiled right before and right after its runs (this
+machine is shared: its speed drifts), on the shapes the workload's steps have, and simulated
+with the mean of the two. Each rate gets its own seed, so no prompt is cached from an earlier
+point. Prints mean and p99 TTFT and mean TPOT, real and simulated, and the simulation's
+error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from pd_disagg import free_port  # noqa: E402
+
+BLOCKS, BLOCK = 2048, 16  # the KV pool both the servers and the simulated instances get
+BATCHED = 2048  # max_num_batched_tokens (the server default)
+KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")
+
+
+GRID = [
+    "--prefill-tokens",
+    "0,64,192,384",
+    "--prefill-context",
+    "0",
+    "--decode-rows",
+    "0,1,4,12",
+    "--decode-context",
+    "128,384",
+]  # the shapes this workload's steps have
+
+
+def profile(path: Path, cores: str | None, threads: int | None):
+    """`tandem profile` on the workload's shapes, as the servers will run (cores, threads)."""
+    from tandem.core.cost_model import CostModel
+
+    cmd = [sys.executable, "-m", "tandem.cli", "profile", "-o", str(path), *GRID]
+    env = dict(os.environ)
+    if cores:
+        cmd = ["taskset", "-c", cores, *cmd]
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    print(f"profiling: {' '.join(cmd)}", flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+    return CostModel.load(path)
+
+
+def bracketed(before, after, path: Path) -> tuple[Path, float]:
+    """The mean of the profiles taken before and after the runs (the machine is shared and
+    drifts), and how far apart they are over the grid's decode and prefill steps."""
+    from tandem.core.cost_model import CostModel, StepShape
+
+    shapes = [StepShape(p, d, d * c, p * (p + 1) // 2)
+              for p in (0, 64, 192, 384) for d in (0, 1, 4, 12) for c in (128, 384) if p or d]  # fmt: skip
+    drift = sum(abs(after.predict(s) / before.predict(s) - 1) for s in shapes) / len(shapes)
+    mean = CostModel(tuple((a + b) / 2 for a, b in zip(before.coef, after.coef)),
+                     {"source": "mean of the profiles before and after the runs", "drift": drift})  # fmt: skip
+    mean.save(path)
+    return path, drift
+
+
+def bench(url: str, out: Path, name: str, args, rate: float, point: int, cores=None) -> dict:
+    cmd = ["taskset", "-c", cores] if cores else []
+    cmd += [sys.executable, "-m", "tandem.cli", "bench", "serve", "--base-url", url,
+           "--ignore-eos", "--disable-tqdm", "--save-result", "--result-dir", str(out),
+           "--result-filename", f"{name}.json", "--request-rate", str(rate),
+           "--dataset-name", "random", "--num-prompts", str(args.num_prompts),
+           "--random-input-len", str(args.input_len), "--random-output-len",
+           str(args.output_len), "--random-range-ratio", str(args.range_ratio),
+           "--seed", str(args.seed + point)]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def sim_requests(args, rate: float, point: int):
+    """The bench's requests for this rate, as the simulator takes them."""
+    from tandem.bench.serve import build_workload, load_tokenizer
+    from tandem.sim.workload import from_bench
+
+    _, tokenizer = load_tokenizer(None)
+    ns = argparse.Namespace(dataset_name="random", num_prompts=args.num_prompts,
+                            random_input_len=args.input_len, random_output_len=args.output_len,
+                            random_range_ratio=args.range_ratio)  # fmt: skip
+    sessions = build_workload(ns, tokenizer, [], args.seed + point)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=True)  # noqa: E731
+    return from_bench(sessions, encode, rate, 1.0, args.seed + point)
+
+
+def replay_engine(args, rates: list[float]) -> list[dict]:
+    """Each rate's requests through the real EngineCore and ModelRunner in this process (the
+    engine loop `tandem serve` runs, without HTTP), summarized as a bench run is."""
+    from tandem.bench import metrics
+    from tandem.engine.builder import build_engine
+    from tandem.engine.config import EngineConfig
+    from tandem.sim.replay import replay
+    from tandem.sim.report import to_results
+
+    core, _ = build_engine(EngineConfig(num_kv_blocks=BLOCKS, max_num_batched_tokens=BATCHED))
+    results = []
+    for i, rate in enumerate(rates):
+        requests = sim_requests(args, rate, i)
+        if i == 0:
+            replay(core, requests[:3])  # warm-up
+        records = replay(core, requests)
+        end = max(r.finished for r in records)
+        results.append(metrics.summarize(to_results(records), end - requests[0].arrival))
+    return results
+
+
+def simulate(cluster: dict, base: Path, requests) -> dict:
+    from tandem.sim.cluster import ClusterSpec
+    from tandem.sim.report import simulate
+
+    return simulate(ClusterSpec.from_dict(cluster, base), requests)
+
+
+def main() -> None:
+    from tandem.bench.servers import ManagedServer, tandem_server
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rates", default="0.5,1.5,2.5")
+    ap.add_argument("--num-prompts", type=int, default=60)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--range-ratio", type=float, default=0.5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--modes", default="engine,served,1p1d")
+    ap.add_argument(
+        "--link-gbs", type=float, default=4.0, help="loopback KV transfer (kv_transfer.py)"
+    )
+    ap.add_argument("--result-dir", default="bench-results/sim-validation")
+    args = ap.parse_args()
+    out = profiles = Path(args.result_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rates = [float(r) for r in args.rates.split(",")]
+    modes = args.modes.split(",")
+    if not (shutil.which("taskset") and (os.cpu_count() or 1) >= 2):
+        raise SystemExit("needs taskset and two cores: instances are pinned to one core each")
+    # how each mode's instances run, and so how its profile is taken: (cores, torch threads)
+    how = {"engine": (None, None), "served": ("1", 1), "1p1d": ("1", 1)}
+    engine = ["--num-kv-blocks", str(BLOCKS), "--max-num-batched-tokens", str(BATCHED),
+              "--disable-uvicorn-access-log"]  # fmt: skip
+    group = {"kv_tokens": BLOCKS * BLOCK}
+
+    def cluster(mode: str, cost: Path) -> dict:
+        groups = [group | {"name": "local", "cost_model": str(cost)}]
+        links = []
+        if mode == "1p1d":
+            groups = [
+                group | {"name": "p", "role": "prefill", "cost_model": str(cost)},
+                group | {"name": "d", "role": "decode", "cost_model": str(cost)},
+            ]
+            links = [{"from": "p", "to": "d", "bandwidth_gbs": args.link_gbs, "latency_ms": 0.2}]
+        return {"model": "smollm2-135m", "groups": groups, "links": links,
+                "engine": {"max_num_batched_tokens": BATCHED, "block_size": BLOCK}}  # fmt: skip
+
+    def pin(server, core: str):
+        server.env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        server.cmd = ["taskset", "-c", core, *server.cmd]
+        return server
+
+    rows, drifts = [], {}
+    for mode in modes:
+        before = profile(profiles / f"{mode}-before.json", *how[mode])
+        if mode == "engine":  # the real EngineCore in this process, no HTTP
+            reals = replay_engine(args, rates)
+        else:
+            if mode == "served":  # one core for the server, the other for the client
+                servers = [pin(tandem_server(free_port(), None, engine, out / "served.log"), "1")]
+            else:
+                p = pin(tandem_server(free_port(), None, [*engine, "--role", "prefill"],
+                                      out / "p.log"), "0")  # fmt: skip
+                d = pin(tandem_server(free_port(), None, [*engine, "--role", "decode"],
+                                      out / "d.log"), "1")  # fmt: skip
+                port = free_port()
+                cmd = [sys.executable, "-m", "tandem.cli", "proxy", "--host", "127.0.0.1",
+                       "--port", str(port), "--prefill", p.base_url, "--decode", d.base_url]  # fmt: skip
+                servers = [p, d, ManagedServer("proxy", cmd, f"http://127.0.0.1:{port}",
+                                               out / "proxy.log")]  # fmt: skip
+            for s in servers:
+                s.start()
+            reals = []
+            try:
+                for s in servers:
+                    s.wait_ready(600)
+                client = "0" if mode == "served" else None
+                for i, rate in enumerate(rates):  # a new seed each: nothing cached from before
+                    reals.append(bench(servers[-1].base_url, out, f"{mode}-{rate:g}", args, rate,
+                                       i, client))  # fmt: skip
+            finally:
+                for s in reversed(servers):
+                    s.stop()
+        after = profile(profiles / f"{mode}-after.json", *how[mode])
+        cost, drifts[mode] = bracketed(before, after, profiles / f"{mode}.json")
+        for i, (rate, real) in enumerate(zip(rates, reals)):
+            sim = simulate(cluster(mode, cost), ROOT, sim_requests(args, rate, i))
+            rows.append((mode, rate, {k: real[k] for k in KEYS}, {k: sim[k] for k in KEYS}))
+            print(mode, rate, rows[-1][2], rows[-1][3], flush=True)
+
+    print(f"\n{args.num_prompts} requests a point, random {args.input_len} in / {args.output_len} "
+          f"out (range ratio {args.range_ratio}), seed {args.seed}; {os.cpu_count()} cores")  # fmt: skip
+    head = f"{'mode':<10} {'rate':>5}" + "".join(f" {k.replace('_ms', ''):>22}" for k in KEYS)
+    print(head + "\n" + " " * 16 + "".join(f" {'real / sim / err':>22}" for _ in KEYS))
+    worst = 0.0
+    for mode, rate, real, sim in rows:
+        cells = ""
+        for k in KEYS:
+            err = sim[k] / real[k] - 1
+            worst = max(worst, abs(err))
+            cells += f" {real[k]:>7.0f} {sim[k]:>7.0f} {err:>+6.0%}"
+        print(f"{mode:<10} {rate:>5g}{cells}")
+    print(f"largest error: {worst:.0%} (target: within 15%)")
+    for mode, drift in drifts.items():
+        print(f"{mode}: the profiles before and after its runs differ by {drift:.0%} on average "
+              f"(the machine's own drift; the simulation uses their mean)")  # fmt: skip
+    doc = {"drift": drifts,
+           "points": [{"mode": m, "rate": r, "real": a, "simulated": b} for m, r, a, b in rows]}  # fmt: skip
+    (out / "validation.json").write_text(json.dumps(doc, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
