@@ -4,8 +4,8 @@ Llama-3-8B, assumed prices), written as markdown tables and PNGs for docs/simula
     python benchmarks/sim_scenarios.py [--only pd,hetero,slo] [--out docs]
 
 1. pd: colocated vs prefill/decode disaggregated on a prefill-heavy workload (4k-token
-   prompts, 128 out; TTFT 1 s, TPOT 40 ms): SLO attainment against rate on 8 H100s.
-2. hetero: prefill on H100s, decode on cheaper A100s across a 100 Gb/s link, with and
+   prompts, 128 out; TTFT 1 s, TPOT 25 ms): SLO attainment against rate on 8 H100s.
+2. hetero: prefill on H100s, decode on cheaper A100s across a 100 or 25 Gb/s link, with and
    without the decode-side radix cache, on a multi-turn workload; against colocated H100s.
 3. slo: fcfs vs priority vs slo scheduling on 16 H100s, 30% interactive / 70% batch.
 """
@@ -24,10 +24,10 @@ from tandem.sim.workload import multi_class_requests, multi_turn_requests, rando
 ENGINE = {"max_num_batched_tokens": 2048}
 
 
-def cluster(groups, router="least_load", policy="fcfs", links=()) -> ClusterSpec:
+def cluster(groups, router="least_load", policy="fcfs", links=(), prefill_router="least_load"):
     return ClusterSpec.from_dict({"model": "llama-3-8b", "router": router, "engine": ENGINE,
                                   "scheduling_policy": policy, "groups": groups,
-                                  "links": list(links)})  # fmt: skip
+                                  "links": list(links), "prefill_router": prefill_router})  # fmt: skip
 
 
 def pd_groups(p: int, d: int, decode_hw="H100", caching=True):
@@ -48,8 +48,8 @@ def max_rate(points: list[dict], target=0.9) -> float | None:
 def study_pd(out: Path, lines: list[str]) -> None:
     from tandem.bench import plots
 
-    slo = {"ttft": 1000.0, "tpot": 40.0}
-    rates = [4, 8, 12, 16, 20, 24, 28, 32]
+    slo = {"ttft": 1000.0, "tpot": 25.0}
+    rates = [8, 16, 24, 32, 40, 48, 56]
     clusters = {
         "colocated 8 x H100": cluster([{"hardware": "H100", "count": 8}]),
         "4P + 4D H100": cluster(pd_groups(4, 4), links=link(50, 0.05)),
@@ -68,34 +68,52 @@ def study_pd(out: Path, lines: list[str]) -> None:
         cells = " | ".join(f"{attained(p):.0%}" for p in points)
         lines.append(f"| {name} | {cells} | {max_rate(points) or '-'} |")
     lines.append("")
-    lines += ["| cluster at 16/s | TTFT mean | TTFT p99 | TPOT mean | TPOT p99 |",
+    lines += ["| cluster at 32/s | TTFT mean | TTFT p99 | TPOT mean | TPOT p99 |",
               "|---|---|---|---|---|"]  # fmt: skip
     for name, points in sweeps.items():
-        p = next(p for p in points if p["request_rate"] == 16)
+        p = next(p for p in points if p["request_rate"] == 32)
         lines.append(f"| {name} | {p['mean_ttft_ms']:.0f} | {p['p99_ttft_ms']:.0f} | "
                      f"{p['mean_tpot_ms']:.1f} | {p['p99_tpot_ms']:.1f} |")  # fmt: skip
 
 
 def study_hetero(out: Path, lines: list[str]) -> None:
     reqs = multi_turn_requests(240, 5, 1024, 128, 4.0, 20.0, seed=0)
-    slow = link(12.5, 1.0)  # 100 Gb/s between clusters
     clusters = {
         "colocated 4 x H100": cluster([{"hardware": "H100", "count": 4}], "prefix_aware"),
         "2P H100 + 2D H100, 50 GB/s, decode cache": cluster(pd_groups(2, 2), "prefix_aware",
                                                             links=link(50, 0.05)),
-        "2P H100 + 2D A100, 12.5 GB/s, no decode cache": cluster(
-            pd_groups(2, 2, "A100", caching=False), "prefix_aware", links=slow),
-        "2P H100 + 2D A100, 12.5 GB/s, decode cache": cluster(pd_groups(2, 2, "A100"),
-                                                              "prefix_aware", links=slow),
     }  # fmt: skip
+    for gbs, what in ((12.5, "100 GbE"), (3.125, "25 GbE")):  # between clusters
+        for caching in (False, True):
+            name = f"2P H100 + 2D A100, {what}, {'decode cache' if caching else 'no decode cache'}"
+            clusters[name] = cluster(pd_groups(2, 2, "A100", caching), "prefix_aware",
+                                     links=link(gbs, 1.0))  # fmt: skip
+    clusters["2P H100 + 2D A100, 25 GbE, decode cache, prefix-aware prefill"] = cluster(
+        pd_groups(2, 2, "A100"), "prefix_aware", links=link(3.125, 1.0),
+        prefill_router="prefix_aware")  # fmt: skip
     lines += ["| cluster | $/hour | TTFT mean | TTFT p99 | TPOT mean | KV sent (GB) | "
               "$/M output tokens |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    results = {}
     for name, c in clusters.items():
-        r = simulate(c, reqs)
+        r = results[name] = simulate(c, reqs)
         price = sum(g.price_per_hour * g.count for g in c.groups)
         lines.append(f"| {name} | {price:.2f} | {r['mean_ttft_ms']:.0f} | {r['p99_ttft_ms']:.0f} | "
                      f"{r['mean_tpot_ms']:.1f} | {r['kv_transfer_bytes'] / 1e9:.1f} | "
                      f"{r['cost_per_million_output_tokens']:.3f} |")  # fmt: skip
+
+    plt = __import__("tandem.bench.plots", fromlist=["_pyplot"])._pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    names = list(results)
+    for ax, key, label in ((axes[0], "mean_ttft_ms", "mean TTFT (ms)"),
+                           (axes[1], "cost_per_million_output_tokens", "$ per M output tokens")):  # fmt: skip
+        ax.barh(range(len(names)), [results[n][key] for n in names])
+        ax.set_yticks(range(len(names)), names if ax is axes[0] else [], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3, axis="x")
+    fig.suptitle("simulated: multi-turn (5 turns, 1024 new tokens a turn), Llama-3-8B")
+    fig.tight_layout()
+    fig.savefig(out / "sim-hetero-pd.png", dpi=110)
 
 
 def study_slo(out: Path, lines: list[str]) -> None:

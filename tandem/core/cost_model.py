@@ -3,10 +3,11 @@
     step seconds = c0 + c_prefill * prefill tokens + c_decode * decode rows
                  + c_kv * KV tokens read + c_chunk * chunk attention
 
-"KV tokens read" is what attention reads of KV computed before this step (a chunk of n tokens
-after `start` reads n * start, a decode row its context); "chunk attention" is what prefill
-chunks read of their own new KV (n * (n + 1) / 2 each), where attention is quadratic and the
-prefill path pads to power-of-two buckets. The model is linear in these, fitted by least
+"KV tokens read" is the context decode rows read (one query against every earlier token: a
+memory-bound read of their KV); "chunk attention" is the (query, key) pairs of prefill chunks,
+n * start against earlier KV plus n * (n + 1) / 2 of their own (many queries share each read:
+compute-bound, quadratic, and the prefill path pads to power-of-two buckets). Keeping the two
+apart is what lets one model fit a CPU profile and an accelerator's roofline alike. The model is linear in these, fitted by least
 squares on relative error (`tandem profile`, or online from the steps the engine runs), and
 serialized as a small JSON file. The SLO scheduler asks it whether a batch keeps every running
 request inside its TPOT; the router and the simulator ask it how long a step takes. Pure
@@ -33,8 +34,8 @@ def chunk_kv(n: int) -> int:
 class StepShape:
     prefill_tokens: int = 0  # tokens of rows still in their prompt (or several at once)
     decode_rows: int = 0  # rows computing one output token
-    kv_tokens: int = 0  # KV entries read that earlier steps wrote
-    chunk_kv: int = 0  # KV entries prefill chunks read of their own
+    kv_tokens: int = 0  # context tokens decode rows read (KV earlier steps wrote)
+    chunk_kv: int = 0  # attention pairs of prefill chunks: earlier context and their own
 
     @classmethod
     def of(cls, scheduled: Iterable) -> StepShape:
@@ -47,14 +48,13 @@ class StepShape:
                 kv += start
             else:
                 prefill += n
-                kv += n * start
-                chunk += n * (n + 1) // 2
+                chunk += n * start + n * (n + 1) // 2
         return cls(prefill, decode, kv, chunk)
 
     def with_row(self, request, start: int, n: int) -> StepShape:
         if n == 1 and start >= request.num_prompt_tokens:
             return self.plus(decode_rows=1, kv_tokens=start)
-        return self.plus(prefill_tokens=n, kv_tokens=n * start, chunk_kv=chunk_kv(n))
+        return self.plus(prefill_tokens=n, chunk_kv=n * start + chunk_kv(n))
 
     def plus(
         self, prefill_tokens: int = 0, decode_rows: int = 0, kv_tokens: int = 0, chunk_kv: int = 0

@@ -41,14 +41,15 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args, args.model)
     core, loaded = build_engine(config)
     print(f"profiling {loaded.model_path.name} ({loaded.dtype} on {loaded.device})")
-    print(f"{'prefill':>8} {'decodes':>8} {'kv tokens':>10} {'ms':>9}")
+    print(f"{'prefill':>8} {'decodes':>8} {'decode kv':>10} {'chunk pairs':>12} {'ms':>9}")
     points = profile_steps(
         core,
         grid,
         loaded.model_config.vocab_size,
         args.repeats,
         lambda s, t: print(
-            f"{s.prefill_tokens:>8} {s.decode_rows:>8} {s.kv_tokens:>10} {t * 1e3:>9.2f}"
+            f"{s.prefill_tokens:>8} {s.decode_rows:>8} {s.kv_tokens:>10} {s.chunk_kv:>12} "
+            f"{t * 1e3:>9.2f}"
         ),
     )
     # k-fold: each point is predicted once by a model that never saw it
@@ -75,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
     c = final.coef
     print(
         f"step = {c[0] * 1e3:.3f} ms + {c[1] * 1e6:.2f} us/prefill token + "
-        f"{c[2] * 1e3:.3f} ms/decode row + {c[3] * 1e9:.2f} ns/KV token read + "
-        f"{c[4] * 1e9:.2f} ns/chunk KV entry"
+        f"{c[2] * 1e3:.3f} ms/decode row + {c[3] * 1e9:.2f} ns/decode KV token + "
+        f"{c[4] * 1e9:.2f} ns/prefill attention pair"
     )
     print(
         f"held-out mean absolute error: {held_out_error:.1%} "

@@ -105,15 +105,9 @@ def workload(args, rate: float):
 
 
 def parse_goodput(items) -> dict[str, float] | None:
-    if not items:
-        return None
-    out = {}
-    for item in items:
-        key, _, ms = item.partition(":")
-        if key not in ("ttft", "tpot", "e2el") or not ms:
-            raise ValueError(f"goodput: {item!r} is not ttft:MS, tpot:MS or e2el:MS")
-        out[key] = float(ms)
-    return out
+    from tandem.bench.metrics import parse_slos
+
+    return parse_slos(items) if items else None
 
 
 def parse_rates(text: str) -> list[float]:

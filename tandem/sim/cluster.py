@@ -16,6 +16,8 @@ between them (KV transfer time = bytes / bandwidth + latency, overlapped layer b
 
     links:
       - {from: prefill, to: decode, bandwidth_gbs: 50, latency_ms: 0.05}
+    prefill_router: least_load   # as `tandem proxy` picks; prefix_aware keeps a conversation's
+                                 # history in one prefill instance's radix cache
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class ClusterSpec:
     scheduling_policy: str = "fcfs"
     engine: dict = field(default_factory=dict)
     links: dict[tuple[str, str], Link] = field(default_factory=dict)  # (prefill, decode) groups
+    prefill_router: str = "least_load"  # how prefill instances are picked (the proxy's way)
 
     @property
     def disaggregated(self) -> bool:
@@ -94,6 +97,16 @@ class ClusterSpec:
         if unknown:
             raise ValueError(f"cluster.engine: unknown setting(s) {sorted(unknown)}")
         links = _links(data.get("links") or [], groups)
+        from tandem.router.policy import POLICIES
+
+        for key in ("router", "prefill_router"):
+            if data.get(key, "least_load") not in POLICIES:
+                raise ValueError(f"cluster.{key} must be one of {POLICIES}, got {data[key]!r}")
+        if data.get("scheduling_policy", "fcfs") not in ("fcfs", "priority", "slo"):
+            raise ValueError(
+                f"cluster.scheduling_policy must be fcfs, priority or slo, got "
+                f"{data['scheduling_policy']!r}"
+            )
         return cls(
             model,
             groups,
@@ -101,6 +114,7 @@ class ClusterSpec:
             data.get("scheduling_policy", "fcfs"),
             engine,
             links,
+            data.get("prefill_router", "least_load"),
         )
 
 

@@ -35,7 +35,7 @@ from tandem.core.slo import SLOClass
 from tandem.engine.builder import build_batch_policy
 from tandem.engine.core import EngineCore
 from tandem.engine.messages import EngineCoreRequest, KVTransferParams
-from tandem.router.policy import LeastLoad, RouteRequest, WorkerState, build_policy
+from tandem.router.policy import RouteRequest, WorkerState, build_policy
 from tandem.sim.cluster import ClusterSpec, GroupSpec
 from tandem.sim.runner import SimulatedRunner
 from tandem.sim.workload import SimRequest
@@ -76,6 +76,7 @@ class Instance:
         self.core = EngineCore(scheduler, self.runner, self.clock)
         self.state = WorkerState(name, name)
         self.backlog: list[tuple[SimRequest, str]] = []  # decode: waiting for room to reserve
+        self.index = 0  # its place in the simulation's list (the ready heap's tie-break)
 
     @property
     def has_work(self) -> bool:
@@ -99,7 +100,9 @@ class Simulation:
         self.prefill = [i for i in self.instances if i.group.role == "prefill"]
         self.by_name = {i.name: i for i in self.instances}
         self.policy = build_policy(cluster.router, cluster.groups[0].cost_model)
-        self.prefill_policy = LeastLoad()  # as the proxy picks prefill instances
+        self.prefill_policy = build_policy(
+            cluster.prefill_router, self.prefill[0].group.cost_model if self.prefill else None
+        )
         self.kv_bytes_per_token = cluster.model.kv_bytes_per_token()
         self.records: dict[str, Record] = {}
         self.num_steps = 0
@@ -109,7 +112,8 @@ class Simulation:
         # whenever something changes it (`_touch`), and only its latest entry counts.
         self._ready: list[tuple[float, int, int]] = []
         self._versions = [0] * len(self.instances)
-        self._index = {id(inst): n for n, inst in enumerate(self.instances)}
+        for n, inst in enumerate(self.instances):
+            inst.index = n
 
     def run(self) -> list[Record]:
         for n, req in enumerate(self.requests):
@@ -134,7 +138,7 @@ class Simulation:
         return [self.records[f"r{n}"] for n in range(len(self.requests))]
 
     def _touch(self, inst: Instance) -> None:
-        n = self._index[id(inst)]
+        n = inst.index
         self._versions[n] += 1
         if inst.has_work:
             heapq.heappush(self._ready, (inst.clock(), n, self._versions[n]))

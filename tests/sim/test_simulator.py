@@ -199,6 +199,10 @@ def test_roofline_model_reads_the_weights_once_a_step_and_divides_work_by_tp():
         ({"groups": [{"cost_model": "x.json"}]}, r"groups\[0\].kv_tokens"),
         ({"model": "gpt-9", "groups": [{"hardware": "H100"}]}, "model"),
         ({"groups": [{"hardware": "H100"}], "engine": {"warp": 9}}, "cluster.engine"),
+        ({"groups": [{"hardware": "H100"}], "router": "random"}, "cluster.router"),
+        ({"groups": [{"hardware": "H100"}], "prefill_router": "x"}, "cluster.prefill_router"),
+        ({"groups": [{"hardware": "H100"}], "scheduling_policy": "edf"}, "scheduling_policy"),
+        ({"groups": [{"hardware": "H100", "prefix_caching": "no"}]}, "prefix_caching"),
     ],
 )
 def test_a_bad_cluster_names_the_field(data, field):

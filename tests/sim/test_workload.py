@@ -1,0 +1,31 @@
+"""Simulated workloads: drawn prompts are the same ids every read and cost no memory until
+read; a bench workload becomes the very requests `tandem bench serve` would send."""
+
+from __future__ import annotations
+
+from tandem.bench.arrivals import arrival_times
+from tandem.bench.workloads import LengthRange, random_workload
+from tandem.sim.workload import RandomTokens, from_bench, random_requests
+
+
+def test_drawn_prompts_are_the_same_ids_every_read_and_differ_between_requests():
+    a, b = RandomTokens((0, 1), 50), RandomTokens((0, 2), 50)
+    assert len(a) == 50 and list(a) == list(a) == list(RandomTokens((0, 1), 50))
+    assert a == tuple(a) and a != b and a[3] == list(a)[3]
+    requests = random_requests(20, 64, 8, 5.0, seed=7, range_ratio=0.5)
+    assert requests == random_requests(20, 64, 8, 5.0, seed=7, range_ratio=0.5)
+    assert all(32 <= len(r.prompt) <= 96 for r in requests)
+    assert len({tuple(r.prompt[:16]) for r in requests}) == 20  # no accidental shared prefix
+
+
+def test_a_bench_workload_becomes_the_requests_the_bench_would_send(llama_path):
+    from tandem.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(llama_path)
+    sessions = random_workload(tok, 12, LengthRange(20, 40), LengthRange(5, 9), seed=3)
+    encode = lambda text: tok.encode(text, add_special_tokens=True)  # noqa: E731
+    requests = from_bench(sessions, encode, 4.0, 1.0, seed=3)
+    assert [r.arrival for r in requests] == arrival_times(12, 4.0, 1.0, 3)
+    for r, s in zip(requests, sessions):
+        assert list(r.prompt) == encode(s.requests[0].prompt)
+        assert r.output_len == s.requests[0].output_len
