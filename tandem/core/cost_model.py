@@ -7,11 +7,11 @@
 memory-bound read of their KV); "chunk attention" is the (query, key) pairs of prefill chunks,
 n * start against earlier KV plus n * (n + 1) / 2 of their own (many queries share each read:
 compute-bound, quadratic, and the prefill path pads to power-of-two buckets). Keeping the two
-apart is what lets one model fit a CPU profile and an accelerator's roofline alike. The model is linear in these, fitted by least
-squares on relative error (`tandem profile`, or online from the steps the engine runs), and
-serialized as a small JSON file. The SLO scheduler asks it whether a batch keeps every running
-request inside its TPOT; the router and the simulator ask it how long a step takes. Pure
-Python, no torch.
+apart is what lets one model fit a CPU profile and an accelerator's roofline alike. The
+model is linear in these, fitted by least squares on relative error (`tandem profile`, or
+online from the steps the engine runs), and serialized as a small JSON file. The SLO
+scheduler asks it whether a batch keeps every running request inside its TPOT; the router
+and the simulator ask it how long a step takes. Pure Python, no torch.
 """
 
 from __future__ import annotations
