@@ -9,6 +9,8 @@ JSON, checked with errors naming the field.
     groups:
       - {name: h100, hardware: H100, count: 4, tp: 1, price_per_hour: 2.5}
       - {name: local, cost_model: cost.json, kv_tokens: 100000, count: 1}
+      - {name: b200, count: 2, hardware: {name: B200, bf16_tflops: 2250, mem_bandwidth_gbs: 8000,
+                                          mem_gib: 180, price_per_hour: 6.0}}  # any accelerator
       # per group also: role (below), prefix_caching: false (no radix cache)
 
 Prefill/decode disaggregation: groups with `role: prefill` and `role: decode`, and a link
@@ -22,12 +24,19 @@ between them (KV transfer time = bytes / bandwidth + latency, overlapped layer b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.core.cost_model import CostModel
-from tandem.sim.specs import HARDWARE, ModelSpec, kv_capacity_tokens, roofline_cost_model
+from tandem.sim.specs import (
+    HARDWARE,
+    Hardware,
+    ModelSpec,
+    kv_capacity_tokens,
+    roofline_cost_model,
+)
 
 
 @dataclass(frozen=True)
@@ -134,12 +143,12 @@ def _group(g: dict, i: int, model: ModelSpec, base: Path) -> GroupSpec:
         kv, hardware = int(g["kv_tokens"]), g.get("hardware", "profiled")
         price = 0.0
     else:
-        hardware = g.get("hardware")
-        if hardware not in HARDWARE:
+        hw = _hardware(g.get("hardware"), f"{where}.hardware")
+        hardware = hw.name
+        if tp > 1 and not hw.interconnect_gbs > 0:
             raise ValueError(
-                f"{where}.hardware must be one of {sorted(HARDWARE)}, got {hardware!r}"
+                f"{where}.hardware.interconnect_gbs: tp {tp} needs the link between devices"
             )
-        hw = HARDWARE[hardware]
         cost = roofline_cost_model(hw, model, tp)
         kv = int(g.get("kv_tokens") or kv_capacity_tokens(hw, model, tp))
         price = hw.price_per_hour * tp
@@ -148,6 +157,33 @@ def _group(g: dict, i: int, model: ModelSpec, base: Path) -> GroupSpec:
         raise ValueError(f"{where}.prefix_caching must be true or false, got {caching!r}")
     return GroupSpec(g.get("name", f"group{i}"), count, cost, kv, hardware, tp,
                      float(g.get("price_per_hour", price)), role, caching)  # fmt: skip
+
+
+def _hardware(value, where: str) -> Hardware:
+    """A built-in accelerator by name, or any other from its published figures:
+    {name, bf16_tflops, mem_bandwidth_gbs, mem_gib, and optionally interconnect_gbs,
+    price_per_hour, compute_efficiency, bandwidth_efficiency}."""
+    if isinstance(value, dict):
+        fields = {f.name for f in dataclasses.fields(Hardware)}
+        unknown = set(value) - fields
+        if unknown:
+            raise ValueError(
+                f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(fields)}"
+            )
+        try:
+            hw = Hardware(**value)
+        except TypeError as e:
+            raise ValueError(f"{where}: {e}") from None
+        for name in ("bf16_tflops", "mem_bandwidth_gbs", "mem_gib"):
+            if not (isinstance(getattr(hw, name), (int, float)) and getattr(hw, name) > 0):
+                raise ValueError(f"{where}.{name} must be > 0, got {getattr(hw, name)!r}")
+        return hw
+    if value not in HARDWARE:
+        raise ValueError(
+            f"{where} must be one of {sorted(HARDWARE)} or a mapping of published figures, "
+            f"got {value!r}"
+        )
+    return HARDWARE[value]
 
 
 def _links(items: list, groups: list[GroupSpec]) -> dict[tuple[str, str], Link]:

@@ -203,6 +203,22 @@ def test_roofline_model_reads_the_weights_once_a_step_and_divides_work_by_tp():
         ({"groups": [{"hardware": "H100"}], "prefill_router": "x"}, "cluster.prefill_router"),
         ({"groups": [{"hardware": "H100"}], "scheduling_policy": "edf"}, "scheduling_policy"),
         ({"groups": [{"hardware": "H100", "prefix_caching": "no"}]}, "prefix_caching"),
+        ({"groups": [{"hardware": {"name": "X", "bf16_tflops": 100}}]}, r"groups\[0\].hardware"),
+        (
+            {
+                "groups": [
+                    {
+                        "hardware": {
+                            "name": "X",
+                            "bf16_tflops": 100,
+                            "mem_bandwidth_gbs": 0,
+                            "mem_gib": 80,
+                        }
+                    }
+                ]
+            },
+            "mem_bandwidth_gbs",
+        ),  # fmt: skip
     ],
 )
 def test_a_bad_cluster_names_the_field(data, field):
@@ -230,3 +246,18 @@ def test_tandem_sim_run_prints_a_bench_summary_marked_simulated(tmp_path):
     assert "Mean TTFT (ms)" in run.stdout and "utilisation" in run.stdout
     result = json.loads(out.read_text())
     assert result["completed"] == 40 and result["simulated"] is True
+
+
+def test_any_accelerator_can_be_described_by_its_published_figures():
+    b200 = {"name": "B200", "bf16_tflops": 2250, "mem_bandwidth_gbs": 8000, "mem_gib": 180,
+            "interconnect_gbs": 900, "price_per_hour": 6.0}  # fmt: skip
+    cluster = ClusterSpec.from_dict({"groups": [{"hardware": b200, "count": 2, "tp": 2}]})
+    (group,) = cluster.groups
+    assert group.hardware == "B200" and group.price_per_hour == 12.0  # per device x tp
+    h100 = ClusterSpec.from_dict({"groups": [{"hardware": "H100", "tp": 2}]}).groups[0]
+    decode = roofline_cost_model(HARDWARE["H100"], cluster.model, 2).coef[0]
+    assert group.cost_model.coef[0] < decode == h100.cost_model.coef[0]  # more bandwidth
+    assert group.kv_tokens > h100.kv_tokens  # more memory
+    no_link = {k: v for k, v in b200.items() if k != "interconnect_gbs"}
+    with pytest.raises(ValueError, match="interconnect_gbs"):
+        ClusterSpec.from_dict({"groups": [{"hardware": no_link, "tp": 2}]})
