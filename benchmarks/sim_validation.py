@@ -34,6 +34,7 @@ from pd_disagg import free_port  # noqa: E402
 BLOCKS, BLOCK = 2048, 16  # the KV pool both the servers and the simulated instances get
 BATCHED = 2048  # max_num_batched_tokens (the server default)
 KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")
+STATISTIC = "median"  # of a profile point's repeats: what a run of many steps meets
 
 
 GRID = [
@@ -52,7 +53,8 @@ def profile(path: Path, cores: str | None, threads: int | None):
     """`tandem profile` on the workload's shapes, as the servers will run (cores, threads)."""
     from tandem.core.cost_model import CostModel
 
-    cmd = [sys.executable, "-m", "tandem.cli", "profile", "-o", str(path), *GRID]
+    cmd = [sys.executable, "-m", "tandem.cli", "profile", "-o", str(path), *GRID,
+           "--statistic", STATISTIC]  # fmt: skip
     env = dict(os.environ)
     if cores:
         cmd = ["taskset", "-c", cores, *cmd]

@@ -19,3 +19,21 @@ def test_profile_fits_and_saves_a_cost_model(llama_path, tmp_path, capsys):
     assert model.info["points"] >= 30 and 0 <= model.info["held_out_mean_abs_error"] < 1
     small, big = StepShape(0, 1, 64), StepShape(512, 32, 16384, 131328)
     assert 0 < model.predict(small) < model.predict(big)
+
+
+def test_profile_times_the_grid_it_is_given_with_the_statistic_asked_for(llama_path, tmp_path):
+    out = tmp_path / "cost.json"
+    grid = ["--prefill-tokens", "0,16,48", "--prefill-context", "0", "--decode-rows", "0,1,3",
+            "--decode-context", "16"]  # fmt: skip
+    rc = main(["profile", str(llama_path), "-o", str(out), "--repeats", "2", "--dtype",
+               "float32", "--kv-cache-memory", "0.05", "--statistic", "median", *grid])  # fmt: skip
+    assert rc == 0
+    info = CostModel.load(out).info
+    # (0 prefill: 1 or 3 decodes) + (16 or 48 prefill: 0, 1 or 3 decodes)
+    assert info["points"] == 2 + 2 * 3 and info["statistic"] == "median"
+
+
+def test_profile_refuses_a_grid_that_is_not_a_list_of_counts(llama_path, tmp_path, capsys):
+    rc = main(["profile", str(llama_path), "-o", str(tmp_path / "c.json"), "--decode-rows", "1,x"])
+    assert rc == 2 and "decode_rows" in capsys.readouterr().err
+    assert not (tmp_path / "c.json").exists()
