@@ -1,7 +1,7 @@
 """`tandem sim` against the real thing: this machine's fitted profile (`tandem profile`) in
-the simulator vs `tandem bench serve` against real servers, on the same seeded requests (the
-bench's own prompts, tokenized as the server tokenizes them, at the arrival times it draws),
-at several request rates, colocated and 1 prefill + 1 decode through `tandem proxy`:
+the simulator vs the real engine and servers, on the same seeded requests (the bench's own
+prompts, tokenized as the server tokenizes them, at the arrival times it draws), at several
+request rates:
 
     python benchmarks/sim_validation.py [--rates 0.5,1.5,2.5] [--num-prompts 60]
 
@@ -116,11 +116,10 @@ def replay_engine(args, rates: list[float]) -> list[dict]:
     from tandem.sim.report import to_results
 
     core, _ = build_engine(EngineConfig(num_kv_blocks=BLOCKS, max_num_batched_tokens=BATCHED))
+    replay(core, sim_requests(args, rates[0], len(rates))[:3])  # warm-up, on a seed no point uses
     results = []
     for i, rate in enumerate(rates):
         requests = sim_requests(args, rate, i)
-        if i == 0:
-            replay(core, requests[:3])  # warm-up
         records = replay(core, requests)
         end = max(r.finished for r in records)
         results.append(metrics.summarize(to_results(records), end - requests[0].arrival))

@@ -54,7 +54,10 @@ def _gaps(n: int, rate: float, burstiness: float, seed: int) -> np.ndarray:
 
 def parse_rates(text: str) -> list[float]:
     """'inf', '4' or '1,2,4,8' (a sweep)."""
-    rates = [float(x) for x in text.split(",") if x.strip()]
-    if not rates or any(r <= 0 for r in rates):
+    try:
+        rates = [float(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        rates = []
+    if not rates or any(not r > 0 for r in rates):
         raise ValueError(f"request rate: {text!r} is not a list of positive rates")
     return rates

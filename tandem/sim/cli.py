@@ -110,20 +110,11 @@ def parse_goodput(items) -> dict[str, float] | None:
     return parse_slos(items) if items else None
 
 
-def parse_rates(text: str) -> list[float]:
-    try:
-        rates = [float(r) for r in str(text).split(",") if r.strip()]
-    except ValueError:
-        raise ValueError(f"request_rate: {text!r} is not a rate or a list of rates") from None
-    if not rates or any(not r > 0 for r in rates):
-        raise ValueError(f"request_rate: {text!r}: every rate must be > 0")
-    return rates
-
-
 def run(args: argparse.Namespace) -> int:
     if args.sim_command == "plan":
         return plan(args)
-    from tandem.bench.results import format_summary, format_sweep
+    from tandem.bench.arrivals import parse_rates
+    from tandem.bench.results import format_summary, format_sweep, rate_value
     from tandem.sim.cluster import ClusterSpec
 
     cluster = ClusterSpec.load(args.cluster)
@@ -140,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         result = _simulate(cluster, workload(args, rate), goodput) | {
             "cluster": str(args.cluster),
             "dataset_name": args.dataset_name,
-            "request_rate": "inf" if math.isinf(rate) else rate,
+            "request_rate": rate_value(rate),
             "seed": args.seed,
         }
         results.append(result)

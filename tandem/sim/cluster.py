@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.core.cost_model import CostModel
+from tandem.engine.config import SCHEDULING_POLICIES
+from tandem.router.policy import POLICIES
 from tandem.sim.specs import (
     HARDWARE,
     Hardware,
@@ -106,25 +108,17 @@ class ClusterSpec:
         if unknown:
             raise ValueError(f"cluster.engine: unknown setting(s) {sorted(unknown)}")
         links = _links(data.get("links") or [], groups)
-        from tandem.router.policy import POLICIES
-
-        for key in ("router", "prefill_router"):
-            if data.get(key, "least_load") not in POLICIES:
-                raise ValueError(f"cluster.{key} must be one of {POLICIES}, got {data[key]!r}")
-        if data.get("scheduling_policy", "fcfs") not in ("fcfs", "priority", "slo"):
+        router = data.get("router", "round_robin")
+        prefill_router = data.get("prefill_router", "least_load")
+        policy = data.get("scheduling_policy", "fcfs")
+        for key, value in (("router", router), ("prefill_router", prefill_router)):
+            if value not in POLICIES:
+                raise ValueError(f"cluster.{key} must be one of {POLICIES}, got {value!r}")
+        if policy not in SCHEDULING_POLICIES:
             raise ValueError(
-                f"cluster.scheduling_policy must be fcfs, priority or slo, got "
-                f"{data['scheduling_policy']!r}"
+                f"cluster.scheduling_policy must be one of {SCHEDULING_POLICIES}, got {policy!r}"
             )
-        return cls(
-            model,
-            groups,
-            data.get("router", "round_robin"),
-            data.get("scheduling_policy", "fcfs"),
-            engine,
-            links,
-            data.get("prefill_router", "least_load"),
-        )
+        return cls(model, groups, router, policy, engine, links, prefill_router)
 
 
 def _group(g: dict, i: int, model: ModelSpec, base: Path) -> GroupSpec:

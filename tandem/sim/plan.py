@@ -116,23 +116,26 @@ class Planner:
                disaggregated: bool = False) -> Probe | None:  # fmt: skip
         """The cheapest probe that meets the target (None: nothing within max_instances)."""
         for hw, tp in itertools.product(hardware, tps):
-            try:
-                if colocated:
-                    self.least(functools.partial(_colocated, hw, tp), self.max_instances)
-                if disaggregated:
-                    for decode_hw in hardware:
-                        self._disaggregated(hw, decode_hw, tp)
-            except ValueError as e:  # the model does not fit this hardware at this tp
-                self.skipped[f"{hw} tp{tp}"] = str(e)
+            if colocated:
+                self._skipping(f"{hw} tp{tp}", self.least,
+                               functools.partial(_colocated, hw, tp), self.max_instances)  # fmt: skip
+            if disaggregated:
+                for decode_hw in hardware:
+                    self._skipping(f"{hw}->{decode_hw} tp{tp}", self._disaggregated, hw,
+                                   decode_hw, tp)  # fmt: skip
         return self.cheapest()
+
+    def _skipping(self, what: str, search, *args) -> None:
+        try:
+            search(*args)
+        except ValueError as e:  # the model does not fit this hardware at this tp
+            self.skipped[what] = str(e)
 
     def _disaggregated(self, prefill_hw: str, decode_hw: str, tp: int) -> None:
         for p in range(1, self.max_instances):
             best = self.cheapest()
-            floor = self.probe(
-                Layout(prefill_hw, tp, prefill=p, decode=1, decode_hardware=decode_hw)
-            )
-            if best is not None and floor.price_per_hour >= best.price_per_hour:
+            floor = Layout(prefill_hw, tp, prefill=p, decode=1, decode_hardware=decode_hw)
+            if best is not None and self.price(floor.cluster(self.base)) >= best.price_per_hour:
                 return  # more prefill instances only cost more than what already meets
             pair = functools.partial(_disaggregated, prefill_hw, decode_hw, tp, p)
             self.least(pair, self.max_instances - p)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from tandem.bench.arrivals import arrival_times
-from tandem.bench.workloads import RequestClass
+from tandem.bench.workloads import LengthRange, RequestClass
 
 VOCAB = 32000
 MOONCAKE_BLOCK = 512  # tokens per hash id in Mooncake's traces
@@ -64,21 +64,14 @@ class SimRequest:
     slo: dict[str, float] = field(default_factory=dict, hash=False)  # ttft | tpot | e2el -> ms
 
 
-def _lengths(rng: random.Random, mean: int, ratio: float) -> int:
-    lo, hi = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
-    return rng.randint(lo, hi)
-
-
 def random_requests(n: int, input_len: int, output_len: int, rate: float, seed: int = 0,
                     range_ratio: float = 0.0, burstiness: float = 1.0) -> list[SimRequest]:  # fmt: skip
     rng = random.Random(seed)
     times = arrival_times(n, rate, burstiness, seed)
+    inp = LengthRange.around(input_len, range_ratio)  # vLLM's --random-range-ratio
+    out = LengthRange.around(output_len, range_ratio)
     return [
-        SimRequest(
-            t,
-            RandomTokens((seed, i), _lengths(rng, input_len, range_ratio)),
-            _lengths(rng, output_len, range_ratio),
-        )
+        SimRequest(t, RandomTokens((seed, i), inp.draw(rng)), out.draw(rng))
         for i, t in enumerate(times)
     ]
 
@@ -183,7 +176,6 @@ def mooncake_trace(path: str | Path, limit: int | None = None) -> list[SimReques
 def azure_trace(path: str | Path, limit: int | None = None, seed: int = 0) -> list[SimRequest]:
     """Azure's LLM inference trace CSV: TIMESTAMP, ContextTokens, GeneratedTokens (no prefix
     information: prompts are random)."""
-    rng = random.Random(seed)
     rows = []
     with open(path, encoding="utf-8", newline="") as f:
         for row in csv.DictReader(f):
@@ -193,6 +185,6 @@ def azure_trace(path: str | Path, limit: int | None = None, seed: int = 0) -> li
                 break
     start = min((r[0] for r in rows), default=0.0)
     return [
-        SimRequest(t - start, tuple(rng.randrange(VOCAB) for _ in range(max(1, n))), max(1, m))
-        for t, n, m in rows
+        SimRequest(t - start, RandomTokens((seed, i), max(1, n)), max(1, m))
+        for i, (t, n, m) in enumerate(rows)
     ]

@@ -46,6 +46,8 @@ def test_parse_rates():
     assert parse_rates("1,2,4.5") == [1.0, 2.0, 4.5]
     with pytest.raises(ValueError):
         parse_rates("0")
+    with pytest.raises(ValueError, match="not a list of positive rates"):
+        parse_rates("fast")
 
 
 def search(capacity, **kw):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tandem.bench.arrivals import arrival_times
 from tandem.bench.workloads import LengthRange, random_workload
-from tandem.sim.workload import RandomTokens, from_bench, random_requests
+from tandem.sim.workload import RandomTokens, azure_trace, from_bench, random_requests
 
 
 def test_drawn_prompts_are_the_same_ids_every_read_and_differ_between_requests():
@@ -29,3 +29,16 @@ def test_a_bench_workload_becomes_the_requests_the_bench_would_send(llama_path):
     for r, s in zip(requests, sessions):
         assert list(r.prompt) == encode(s.requests[0].prompt)
         assert r.output_len == s.requests[0].output_len
+
+
+def test_an_azure_trace_replays_its_timestamps_and_lengths(tmp_path):
+    trace = tmp_path / "azure.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     "2023-11-16 18:15:46.6805900,374,44\n"
+                     "2023-11-16 18:15:50.9951690,396,109\n"
+                     "2023-11-16 18:15:51.2481130,0,7\n")  # fmt: skip
+    requests = azure_trace(trace)
+    assert [round(r.arrival, 3) for r in requests] == [0.0, 4.315, 4.568]
+    assert [len(r.prompt) for r in requests] == [374, 396, 1]  # an empty context still runs
+    assert [r.output_len for r in requests] == [44, 109, 7]
+    assert len(azure_trace(trace, limit=2)) == 2
