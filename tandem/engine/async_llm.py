@@ -192,6 +192,7 @@ class AsyncLLM:
         self.core_pid = ready.pid
         self.model_path = ready.model_path
         self.max_model_len = ready.max_model_len
+        self.quantization = ready.quantization
         self.max_request_tokens = ready.max_request_tokens
         self.vocab_size = ready.vocab_size
         self.kv_address = ready.kv_address  # a decode instance's, for the reservation answer

@@ -19,6 +19,8 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
 KV_CACHE_SPACE_ENV = "TANDEM_CPU_KVCACHE_SPACE"
 DEFAULT_KV_CACHE_GIB = 2.0
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
+QUANTIZATIONS = ("none", "gguf", "int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 CPU kernel takes
 ROLES = ("both", "prefill", "decode")
 
 
@@ -37,6 +39,17 @@ class EngineConfig:
         "weights and KV dtype; auto: bfloat16 on GPUs and CPUs with native bf16, else float32 "
         "(half = float16, float = float32)",
         choices=(*DTYPES, *DTYPE_ALIASES),
+    )
+    quantization: str | None = _flag(
+        None,
+        "weights: gguf (a GGUF model's own Q4_0/Q4_1/Q8_0 blocks; a GGUF's default), int8 (per "
+        "channel) or int4 (group-wise), quantized at load from an HF checkpoint, or none (float "
+        "weights; an HF checkpoint's default). On the CPU only",
+        type=str,
+        choices=QUANTIZATIONS,
+    )
+    quantization_group_size: int = _flag(
+        32, f"int4: input columns per scale and zero, one of {INT4_GROUP_SIZES}"
     )
     device: str = _flag("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     seed: int = _flag(0, "seed for sampling without a per-request seed")
@@ -117,6 +130,15 @@ class EngineConfig:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+        if self.quantization_group_size not in INT4_GROUP_SIZES:
+            raise ValueError(
+                f"quantization_group_size must be one of {INT4_GROUP_SIZES}, "
+                f"got {self.quantization_group_size!r}"
+            )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if not (isinstance(self.block_size, int) and 1 <= self.block_size <= 1024):

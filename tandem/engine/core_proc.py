@@ -292,6 +292,7 @@ def _ready(core, loaded, kv) -> CoreReady:
         max_request_tokens=core.scheduler.max_request_tokens,
         vocab_size=loaded.model_config.vocab_size,
         kv_address=kv.address if kv is not None else None,
+        quantization=loaded.weights,
     )
 
 

@@ -93,6 +93,7 @@ class CoreReady(msgspec.Struct, tag="ready", array_like=True):
     max_request_tokens: int  # the most tokens one request may hold: model limit or KV pool
     vocab_size: int
     kv_address: str | None = None  # a decode instance's: where prefill instances send KV
+    quantization: str = "none"  # the weights' format (quantize_model's description)
 
 
 class CoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_defaults=True):

@@ -35,6 +35,17 @@ def resolve_model(model: str | Path | None) -> Path:
     raise ValueError(f"model: {str(path)!r} is neither an HF checkpoint folder nor a .gguf file")
 
 
+def gguf_file(model: str | Path | None) -> Path | None:
+    """The GGUF file a model is (or a folder holds alone), or None for an HF checkpoint."""
+    path = Path(model) if model is not None else default_model_path()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        return ggufs[0] if len(ggufs) == 1 else None
+    return None
+
+
 def load_model(
     folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
 ):

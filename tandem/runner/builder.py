@@ -18,7 +18,8 @@ from tandem.core.capacity import (
 )
 from tandem.core.model_config import ModelConfig
 from tandem.engine.config import DEFAULT_KV_CACHE_GIB, kv_cache_setting
-from tandem.model.loader import load_model, resolve_model
+from tandem.model.loader import gguf_file, load_model, resolve_model
+from tandem.model.quantize import check_device, quantize_model
 from tandem.runner.model_runner import ModelRunner
 
 log = logging.getLogger("tandem")
@@ -33,24 +34,43 @@ class LoadedRunner:
     num_blocks: int  # KV blocks in the pool, the null block included
     dtype: torch.dtype
     device: torch.device
+    weights: str = "none"  # how the weights are quantized (quantize_model's description)
 
 
 def build_model_runner(config) -> LoadedRunner:
     """config: an engine.config.EngineConfig (read here, never written)."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    gguf = gguf_file(config.model)
+    method = quantization_method(config.quantization, gguf)
+    check_device(method, device)
     path = resolve_model(config.model)
     mcfg = ModelConfig.from_folder(path)
     max_model_len = resolve_max_model_len(mcfg, config.max_model_len)
     torch.manual_seed(config.seed)
     model = load_model(path, mcfg, dtype, device, max_positions=max_model_len)
+    weights = quantize_model(model, method, config.quantization_group_size, gguf)
     block_bytes = kv_bytes_per_block(mcfg, config.block_size, dtype.itemsize)
     usable = config.num_kv_blocks or num_blocks_for_memory(
         kv_pool_bytes(config, mcfg, dtype, device), block_bytes
     )
     num_blocks = 1 + usable
     runner = ModelRunner(model, mcfg, num_blocks, config.block_size, dtype, device, config.seed)
-    return LoadedRunner(runner, path, mcfg, max_model_len, num_blocks, dtype, device)
+    return LoadedRunner(runner, path, mcfg, max_model_len, num_blocks, dtype, device, weights)
+
+
+def quantization_method(name: str | None, gguf: Path | None) -> str:
+    """The quantization to apply: as asked, else a GGUF's own blocks, else none."""
+    if name is None:
+        return "gguf" if gguf is not None else "none"
+    if name == "gguf" and gguf is None:
+        raise ValueError("quantization: gguf needs a .gguf model (it runs on the file's blocks)")
+    if name in ("int8", "int4") and gguf is not None:
+        raise ValueError(
+            f"quantization: {name} quantizes an HF checkpoint at load; a GGUF model runs on its "
+            "own blocks (gguf, its default) or dequantized (none)"
+        )
+    return name
 
 
 def kv_pool_bytes(config, mcfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:

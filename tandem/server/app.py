@@ -107,7 +107,8 @@ def build_app(state: ServerState) -> FastAPI:
         def entry(name: str, root: str, parent: str | None) -> dict:
             return {"id": name, "object": "model", "created": serving.created,
                     "owned_by": "tandem", "root": root, "parent": parent,
-                    "max_model_len": engine.max_model_len}  # fmt: skip
+                    "max_model_len": engine.max_model_len,
+                    "quantization": engine.quantization}  # fmt: skip
 
         data = [entry(name, engine.model_path, None) for name in serving.served_names]
         data += [entry(a.name, a.path, serving.model_name) for a in serving.loras.adapters.values()]

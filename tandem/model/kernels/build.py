@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 LORA_SOURCE = Path(__file__).with_name("lora_bgmv.cpp")
+DEQUANT_SOURCE = Path(__file__).with_name("dequant.cpp")
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
@@ -46,6 +47,14 @@ def lora_bgmv():
         return None
     module = _load(LORA_SOURCE, "tandem_lora_bgmv", "the C++ LoRA kernel")
     return None if module is None else module.lora_bgmv
+
+
+def dequant():
+    """The module with `dequant_int4_t` and `dequant_int8` (see dequant.cpp), or None: use
+    the torch path."""
+    if not enabled():
+        return None
+    return _load(DEQUANT_SOURCE, "tandem_dequant", "the C++ dequantization kernels")
 
 
 @functools.cache

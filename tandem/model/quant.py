@@ -1,0 +1,226 @@
+"""Weight-only quantized linear layers: a step reads 4 or 8 bits a weight instead of 16 or 32.
+
+- int4, group-wise: w = (q - 8) * scale + zero over each `group` input columns, q in [0, 16),
+  stored in torch's CPU layout (`_convert_weight_to_int4pack_for_cpu`). GGUF's Q4_0 and Q4_1
+  blocks are exactly this (Q4_1: w = d*q + m = d*(q - 8) + (m + 8d)), and Q8_0 (w = d*q, q a
+  signed byte) is two such terms, q = 16*hi + lo: (hi + 8, scale 16d, zero 0) + (lo, scale d,
+  zero 8d); so a GGUF's weights are repacked, never requantized (see gguf_quant.py).
+- int8, per output row: w = q * scale (`_weight_int8pack_mm`), quantized at load.
+
+Which path runs depends on the rows in the step. torch's kernels dequantize per input row:
+at one row they are 4.7x faster than a bf16 matmul on this project's whole weights (which
+stream from memory), level at 16 rows, 2x slower at 64. Past KERNEL_MAX_ROWS rows the
+weight is instead dequantized to bf16 a cache-sized slice at a time (C++,
+kernels/dequant.cpp) and each slice multiplied while it is still in cache
+(benchmarks/quant_linear.py measures both). The kernels take bfloat16 activations (float32
+ones take a scalar path 20-60x slower), so a float32 model's activations are rounded to bf16
+around each quantized matmul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from tandem.model import kernels
+
+INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's int4 CPU kernel takes
+SLICE_BYTES = 2 << 20  # a dequantized slice, sized to stay in this CPU's L2/L3
+
+
+@dataclass(frozen=True)
+class Int4Term:
+    packed: torch.Tensor  # uint8 [rows, K / 2], rows padded to 64 (torch's CPU layout)
+    scales_zeros: torch.Tensor  # bfloat16 [K / group, rows, 2]
+    group: int
+
+
+def int4_term(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Int4Term:
+    """q: [N, K] integers in [0, 16); scale, zero: [N, K / group]."""
+    n, k = q.shape
+    group = k // scale.shape[1]
+    pad = -n % 64  # the layout packs blocks of 64 rows; padded rows are zero and never read
+    q, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in (q.to(torch.int32), scale, zero))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+    sz = torch.stack([scale.float(), zero.float()], -1).transpose(0, 1)
+    return Int4Term(packed, sz.to(torch.bfloat16).contiguous(), group)
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, ...]:
+    """Asymmetric min/max quantization of w [N, K] per group: -> (q, scale, zero)."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-8)
+    q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15)
+    return q.reshape(n, k).to(torch.uint8), scale, lo + 8 * scale
+
+
+def int8_group_terms(q: torch.Tensor, d: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Signed 8-bit weights with a scale per group (w = d * q, as GGUF's Q8_0) as two int4
+    terms, q = 16 * hi + lo: (hi + 8, scale 16d, zero 0) and (lo, scale d, zero 8d).
+    q: [N, K] integers in [-128, 128); d: [N, K / group]."""
+    q = q.to(torch.int16)
+    hi, lo = (q >> 4) + 8, q & 15
+    return [(hi, 16 * d, torch.zeros_like(d)), (lo, d, 8 * d)]
+
+
+def quantize_int8_groups(w: torch.Tensor, group: int) -> list[tuple[torch.Tensor, ...]]:
+    """Symmetric absmax quantization of w [N, K] to 8 bits per group: -> int4 terms."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    d = (g.abs().amax(-1) / 127).clamp_min(1e-8)
+    q = (g / d[..., None]).round().clamp(-127, 127).reshape(n, k)
+    return int8_group_terms(q, d)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax quantization of w [N, K] per row: -> (q int8, scale)."""
+    scale = (w.float().abs().amax(-1) / 127).clamp_min(1e-8)
+    q = (w.float() / scale[:, None]).round().clamp(-127, 127)
+    return q.to(torch.int8), scale
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T + b with W quantized; the subclasses say how W is stored."""
+
+    KERNEL_MAX_ROWS = 32  # measured crossover of torch's kernels and dequantize + bf16 matmul
+    fmt: str  # e.g. "int4 (group 32)", "Q4_1", for logs and /v1/models
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.can_dense = kernels.dequant() is not None  # else torch's kernels for every size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        xb = rows.to(torch.bfloat16)
+        if rows.shape[0] <= self.KERNEL_MAX_ROWS or not self.can_dense:
+            y = self.kernel(xb)[:, : self.out_features]
+        else:
+            y = self.dense(xb)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T through bf16 matmuls, W dequantized one slice of rows at a time."""
+        n, k = self.out_features, self.in_features
+        step = max(64, SLICE_BYTES // (2 * k) // 64 * 64)
+        if step >= n:
+            return x @ self.dequant_t(0, self.padded_rows)[:, :n]
+        out = x.new_empty(x.shape[0], n)
+        for n0 in range(0, n, step):
+            n1 = min(n0 + step, self.padded_rows)
+            out[:, n0 : min(n1, n)] = x @ self.dequant_t(n0, n1)[:, : min(n1, n) - n0]
+        return out
+
+    padded_rows: int
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequant_t(self, n0: int, n1: int) -> torch.Tensor:
+        """W[n0:n1]^T as bf16 [K, n1 - n0], in a scratch buffer valid until the next call."""
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """W as float32 [N, K]: the reference these layers are tested against."""
+        raise NotImplementedError
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """W[ids] as float32 [len(ids), K]: an embedding lookup on the same storage."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.fmt}"
+
+
+class Int4Linear(QuantizedLinear):
+    def __init__(self, in_features, out_features, terms: list[Int4Term], fmt: str, bias=None):
+        super().__init__(in_features, out_features, bias)
+        self.terms, self.fmt = terms, fmt
+        self.padded_rows = terms[0].packed.shape[0]
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        y = None
+        for t in self.terms:
+            part = torch.ops.aten._weight_int4pack_mm_for_cpu(x, t.packed, t.group, t.scales_zeros)
+            y = part if y is None else y.add_(part)
+        return y
+
+    def dequant_t(self, n0: int, n1: int) -> torch.Tensor:
+        k, size = self.in_features, self.in_features * (n1 - n0)
+        out = _scratch(0, size)[:size].view(k, n1 - n0)
+        dequant = kernels.dequant()
+        dequant.dequant_int4_t(out, self.terms[0].packed, self.terms[0].scales_zeros, self.terms[0].group, n0, n1)  # fmt: skip
+        for t in self.terms[1:]:
+            more = _scratch(1, size)[:size].view(k, n1 - n0)
+            dequant.dequant_int4_t(more, t.packed, t.scales_zeros, t.group, n0, n1)
+            out.add_(more)
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        all_rows = torch.arange(self.out_features)
+        return self.rows(all_rows)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        k = self.in_features
+        out = None
+        for t in self.terms:
+            byte = t.packed.view(-1, k, 32)[ids // 64, :, ids % 32]  # [len(ids), K]
+            q = torch.where((ids % 64 >= 32)[:, None], byte >> 4, byte & 15).float()
+            scale, zero = (t.scales_zeros[:, ids, i].float().t() for i in (0, 1))
+            w = (q - 8) * scale.repeat_interleave(t.group, 1) + zero.repeat_interleave(t.group, 1)
+            out = w if out is None else out + w
+        return out
+
+
+class Int8Linear(QuantizedLinear):
+    def __init__(self, in_features, out_features, q: torch.Tensor, scale: torch.Tensor, bias=None):
+        super().__init__(in_features, out_features, bias)
+        self.q, self.scale = q.contiguous(), scale.to(torch.bfloat16).contiguous()
+        self.fmt, self.padded_rows = "int8 (per channel)", out_features
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+
+    def dequant_t(self, n0: int, n1: int) -> torch.Tensor:
+        k, size = self.in_features, self.in_features * (n1 - n0)
+        out = _scratch(0, size)
+        kernels.dequant().dequant_int8(out, self.q[n0:n1], self.scale[n0:n1])
+        return out[:size].view(n1 - n0, k).t()
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale.float()[:, None]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.q[ids].float() * self.scale[ids].float()[:, None]
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embeddings looked up in a quantized (output head's) weight."""
+
+    def __init__(self, source: QuantizedLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.source, self.dtype = source, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.source.rows(ids).to(self.dtype)
+
+
+_scratch_buffers: dict[int, torch.Tensor] = {}
+
+
+def _scratch(index: int, size: int) -> torch.Tensor:
+    """One reused bf16 buffer per index, grown to the largest slice asked for: every layer
+    runs one after another, each slice is consumed by its matmul before the next."""
+    buf = _scratch_buffers.get(index)
+    if buf is None or buf.numel() < size:
+        buf = _scratch_buffers[index] = torch.empty(size, dtype=torch.bfloat16)
+    return buf
