@@ -1,7 +1,7 @@
 """Where a decode step's time goes at N running requests: scheduling, input preparation,
 model forward (including the LM head), sampling, and the update that appends tokens.
 
-    python benchmarks/step_overhead.py [--running 32] [--context 256] [--steps 20]
+    python benchmarks/step_overhead.py [--running 32] [--context 256] [--steps 20] [--quantization none]
 
 Prints the mean of each phase and the share of the step spent outside the model forward.
 """
@@ -23,9 +23,10 @@ def main():
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--quantization", default=None, help="as tandem serve's (default: the model's)")
     args = ap.parse_args()
 
-    llm = LLM(args.model)
+    llm = LLM(args.model, quantization=args.quantization)
     engine = llm.engine
     rng = random.Random(0)
     vocab = llm.model_config.vocab_size

@@ -146,6 +146,10 @@ class Int4Linear(QuantizedLinear):
         super().__init__(in_features, out_features, bias)
         self.terms, self.fmt = terms, fmt
         self.padded_rows = terms[0].packed.shape[0]
+        # the kernel's arguments, listed once
+        self.packed = [t.packed for t in terms]
+        self.scales_zeros = [t.scales_zeros for t in terms]
+        self.group = terms[0].group
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         y = None
@@ -156,13 +160,8 @@ class Int4Linear(QuantizedLinear):
 
     def dequant_t(self, n0: int, n1: int) -> torch.Tensor:
         k, size = self.in_features, self.in_features * (n1 - n0)
-        out = _scratch(0, size)[:size].view(k, n1 - n0)
-        dequant = kernels.dequant()
-        dequant.dequant_int4_t(out, self.terms[0].packed, self.terms[0].scales_zeros, self.terms[0].group, n0, n1)  # fmt: skip
-        for t in self.terms[1:]:
-            more = _scratch(1, size)[:size].view(k, n1 - n0)
-            dequant.dequant_int4_t(more, t.packed, t.scales_zeros, t.group, n0, n1)
-            out.add_(more)
+        out = _scratch(size)[:size].view(k, n1 - n0)
+        kernels.dequant().dequant_int4_t(out, self.packed, self.scales_zeros, self.group, n0, n1)
         return out
 
     def dequantize(self) -> torch.Tensor:
@@ -192,7 +191,7 @@ class Int8Linear(QuantizedLinear):
 
     def dequant_t(self, n0: int, n1: int) -> torch.Tensor:
         k, size = self.in_features, self.in_features * (n1 - n0)
-        out = _scratch(0, size)
+        out = _scratch(size)
         kernels.dequant().dequant_int8(out, self.q[n0:n1], self.scale[n0:n1])
         return out[:size].view(n1 - n0, k).t()
 
@@ -214,13 +213,13 @@ class QuantizedEmbedding(nn.Module):
         return self.source.rows(ids).to(self.dtype)
 
 
-_scratch_buffers: dict[int, torch.Tensor] = {}
+_scratch_buffer = torch.empty(0, dtype=torch.bfloat16)
 
 
-def _scratch(index: int, size: int) -> torch.Tensor:
-    """One reused bf16 buffer per index, grown to the largest slice asked for: every layer
-    runs one after another, each slice is consumed by its matmul before the next."""
-    buf = _scratch_buffers.get(index)
-    if buf is None or buf.numel() < size:
-        buf = _scratch_buffers[index] = torch.empty(size, dtype=torch.bfloat16)
-    return buf
+def _scratch(size: int) -> torch.Tensor:
+    """One reused bf16 buffer, grown to the largest slice asked for: layers run one after
+    another, and each slice is consumed by its matmul before the next is written."""
+    global _scratch_buffer
+    if _scratch_buffer.numel() < size:
+        _scratch_buffer = torch.empty(size, dtype=torch.bfloat16)
+    return _scratch_buffer

@@ -3,8 +3,10 @@ what runs; it computes exactly the plan it is given."""
 
 from __future__ import annotations
 
+import math
 import time
 
+import numpy as np
 import torch
 
 from tandem.core.model_config import ModelConfig
@@ -20,6 +22,17 @@ from tandem.runner.sampler import Sampler
 from tandem.spec.proposer import ProposeRow
 
 
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros that take no memory until written, on the CPU: numpy's zeros come from calloc,
+    whose large blocks are fresh zero pages the OS maps in only when first touched, while
+    torch.zeros writes every byte. So resident memory grows with the KV actually used, not
+    with the pool's size (the default 2 GiB pool was most of an idle server's footprint)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(
         self, model, cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device, seed: int
@@ -30,7 +43,7 @@ class ModelRunner:
         # [layers, 2, blocks, block_size, kv_heads, head_dim]; zeroed so unwritten slots are
         # finite (they are masked, but NaN * 0 is still NaN).
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_cache = zeroed_pool(shape, dtype, device)
         attend = attention_fn(dtype, device)
         # On the CPU, decodes skip the KV gather: a C++ kernel reads the paged cache in place
         # (built on first use, ~40 s once; None where it cannot be built).

@@ -28,7 +28,7 @@ def vllm_style(llama_path, tmp_path_factory):
             "--kv-cache-memory-bytes", str(8 << 20), "--chat-template", str(tmp / "template.jinja"),
             "--max-logprobs", "3", "--generation-config", str(tmp / "gen"),
             "--enable-log-requests", "--trust-remote-code", "--enforce-eager",
-            "--gpu-memory-utilization", "0.5"]  # fmt: skip
+            "--gpu-memory-utilization", "0.5", "--quantization", "int8"]  # fmt: skip
     server = Server(None, args, tmp, "vllm-style").wait_ready()
     yield server
     server.stop()
@@ -40,6 +40,9 @@ def test_the_flags_parse_and_the_server_serves(vllm_style):
     assert "KV cache pool: 0.01 GiB, sized by --kv-cache-memory-bytes" in log
     r = httpx.get(f"{vllm_style.url}/v1/models").json()
     assert r["data"][0]["root"]
+    # --quantization int8: said in the engine-ready line and in the model's metadata
+    assert r["data"][0]["quantization"].startswith("int8 (per channel) projections")
+    assert "weights int8 (per channel) projections" in log
 
 
 def test_max_logprobs_bounds_requests(vllm_style):

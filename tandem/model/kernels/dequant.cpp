@@ -2,7 +2,8 @@
 // large decode batches), where torch's int4/int8 kernels (which dequantize per row of the
 // input) are 2-3x slower than one dequantization followed by a bf16 matmul.
 //
-// dequant_int4_t(out, packed, scales_zeros, group, row_begin, row_end): out = W[rows]^T,
+// dequant_int4_t(out, [packed...], [scales_zeros...], group, row_begin, row_end): out =
+//   W[rows]^T for W the sum of one or two int4 terms (GGUF's Q8_0 is two),
 //   [k, row_end - row_begin] bfloat16, for a range of whole 64-row blocks. The caller goes
 //   through a big weight a cache-sized slice at a time, each slice's matmul reading it while
 //   it is still in cache, into one reused buffer (a fresh allocation this large is mapped
@@ -22,6 +23,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <vector>
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -40,64 +43,95 @@ inline void store_bf16(at::BFloat16* dst, __m512 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 #endif
 }
+
 #endif
 
-void dequant_int4_t(at::Tensor& out, const at::Tensor& packed, const at::Tensor& scales_zeros,
-                    int64_t group, int64_t row_begin, int64_t row_end) {
-  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte, "packed: uint8");
-  TORCH_CHECK(scales_zeros.is_contiguous() && scales_zeros.scalar_type() == at::kBFloat16,
-              "scales_zeros: contiguous bfloat16");
-  const int64_t n = scales_zeros.size(1), k = scales_zeros.size(0) * group;
-  const int64_t rows = row_end - row_begin;
-  TORCH_CHECK(n % 64 == 0 && packed.numel() == n * k / 2, "packed: [n, k / 2], n % 64 == 0");
-  TORCH_CHECK(row_begin % 64 == 0 && rows % 64 == 0 && 0 <= row_begin && row_end <= n,
-              "rows: a range of whole 64-row blocks");
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kBFloat16 && out.numel() >= k * rows,
-              "out: contiguous bfloat16, room for [k, rows]");
-  const uint8_t* p = packed.data_ptr<uint8_t>();
-  const at::BFloat16* sz = scales_zeros.data_ptr<at::BFloat16>();
-  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+// The sum of `terms` int4 terms (GGUF's Q8_0 is two), rows [row_begin, row_begin + rows).
+template <int terms>
+void dequant_terms(at::BFloat16* o, const uint8_t* const* ps, const at::BFloat16* const* szs,
+                   int64_t n, int64_t k, int64_t group, int64_t row_begin, int64_t rows) {
   const int64_t blocks = rows / 64, groups = k / group, first = row_begin / 64;
   at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
-    float scale[64], zero[64];
+    float scale[terms][64], zero[64];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / groups + first, g = i % groups;
-      const at::BFloat16* s = sz + (g * n + b * 64) * 2;
-      for (int j = 0; j < 64; ++j) {
-        scale[j] = static_cast<float>(s[2 * j]);
-        zero[j] = static_cast<float>(s[2 * j + 1]) - 8.f * scale[j];
+      for (int j = 0; j < 64; ++j) zero[j] = 0.f;
+      for (int t = 0; t < terms; ++t) {  // (q - 8) * scale + zero = q * scale + (zero - 8 scale)
+        const at::BFloat16* s = szs[t] + (g * n + b * 64) * 2;
+        for (int j = 0; j < 64; ++j) {
+          scale[t][j] = static_cast<float>(s[2 * j]);
+          zero[j] += static_cast<float>(s[2 * j + 1]) - 8.f * scale[t][j];
+        }
       }
 #ifdef __AVX512F__
-      __m512 vs[4], vz[4];
+      __m512 vs[terms][4], vz[4];
       for (int v = 0; v < 4; ++v) {
-        vs[v] = _mm512_loadu_ps(scale + 16 * v);
+        for (int t = 0; t < terms; ++t) vs[t][v] = _mm512_loadu_ps(scale[t] + 16 * v);
         vz[v] = _mm512_loadu_ps(zero + 16 * v);
       }
       const __m256i low4 = _mm256_set1_epi8(15);
       for (int64_t c = g * group; c < (g + 1) * group; ++c) {
-        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (b * k + c) * 32));
-        const __m256i lo = _mm256_and_si256(bytes, low4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-        at::BFloat16* dst = o + c * rows + (b - first) * 64;
-        const __m128i parts[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
-                                  _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
-        for (int v = 0; v < 4; ++v) {  // rows 16v .. 16v + 15 of the block
-          const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[v]));
-          store_bf16(dst + 16 * v, _mm512_fmadd_ps(q, vs[v], vz[v]));
+        __m512 w[4] = {vz[0], vz[1], vz[2], vz[3]};
+        for (int t = 0; t < terms; ++t) {
+          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ps[t] + (b * k + c) * 32));  
+          const __m256i lo = _mm256_and_si256(bytes, low4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+          const __m128i parts[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                                    _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+          for (int v = 0; v < 4; ++v) {  // rows 16v .. 16v + 15 of the block
+            const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[v]));
+            w[v] = _mm512_fmadd_ps(q, vs[t][v], w[v]);
+          }
         }
+        at::BFloat16* dst = o + c * rows + (b - first) * 64;
+        for (int v = 0; v < 4; ++v) store_bf16(dst + 16 * v, w[v]);
       }
 #else
       for (int64_t c = g * group; c < (g + 1) * group; ++c) {
-        const uint8_t* src = p + (b * k + c) * 32;
-        at::BFloat16* dst = o + c * rows + (b - first) * 64;
-        for (int j = 0; j < 32; ++j) {
-          dst[j] = static_cast<float>(src[j] & 15) * scale[j] + zero[j];
-          dst[j + 32] = static_cast<float>(src[j] >> 4) * scale[j + 32] + zero[j + 32];
+        float w[64];
+        for (int j = 0; j < 64; ++j) w[j] = zero[j];
+        for (int t = 0; t < terms; ++t) {
+          const uint8_t* src = ps[t] + (b * k + c) * 32;
+          for (int j = 0; j < 32; ++j) {
+            w[j] += static_cast<float>(src[j] & 15) * scale[t][j];
+            w[j + 32] += static_cast<float>(src[j] >> 4) * scale[t][j + 32];
+          }
         }
+        at::BFloat16* dst = o + c * rows + (b - first) * 64;
+        for (int j = 0; j < 64; ++j) dst[j] = w[j];
       }
 #endif
     }
   });
+}
+
+void dequant_int4_t(at::Tensor& out, const std::vector<at::Tensor>& packed,
+                    const std::vector<at::Tensor>& scales_zeros, int64_t group, int64_t row_begin,
+                    int64_t row_end) {
+  TORCH_CHECK(!packed.empty() && packed.size() == scales_zeros.size(), "one scales_zeros a term");
+  const int64_t n = scales_zeros[0].size(1), k = scales_zeros[0].size(0) * group;
+  const int64_t rows = row_end - row_begin;
+  for (size_t t = 0; t < packed.size(); ++t) {
+    TORCH_CHECK(packed[t].is_contiguous() && packed[t].scalar_type() == at::kByte, "packed: uint8");
+    TORCH_CHECK(scales_zeros[t].is_contiguous() && scales_zeros[t].scalar_type() == at::kBFloat16 &&
+                    scales_zeros[t].size(1) == n && scales_zeros[t].size(0) * group == k,
+                "scales_zeros: contiguous bfloat16 [k / group, n, 2], alike for every term");
+    TORCH_CHECK(n % 64 == 0 && packed[t].numel() == n * k / 2, "packed: [n, k / 2], n % 64 == 0");
+  }
+  TORCH_CHECK(row_begin % 64 == 0 && rows % 64 == 0 && 0 <= row_begin && row_end <= n,
+              "rows: a range of whole 64-row blocks");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kBFloat16 && out.numel() >= k * rows,
+              "out: contiguous bfloat16, room for [k, rows]");
+  TORCH_CHECK(packed.size() <= 2, "at most two terms");
+  const uint8_t* ps[2];
+  const at::BFloat16* szs[2];
+  for (size_t t = 0; t < packed.size(); ++t) {
+    ps[t] = packed[t].data_ptr<uint8_t>();
+    szs[t] = scales_zeros[t].data_ptr<at::BFloat16>();
+  }
+  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  if (packed.size() == 1) dequant_terms<1>(o, ps, szs, n, k, group, row_begin, rows);
+  else dequant_terms<2>(o, ps, szs, n, k, group, row_begin, rows);
 }
 
 void dequant_int8(at::Tensor& out, const at::Tensor& q, const at::Tensor& scales) {
