@@ -2,6 +2,7 @@
 model forward (including the LM head), sampling, and the update that appends tokens.
 
     python benchmarks/step_overhead.py [--running 32] [--context 256] [--steps 20] [--quantization none]
+        [--kv-cache-dtype int8]
 
 Prints the mean of each phase and the share of the step spent outside the model forward.
 """
@@ -24,9 +25,10 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--quantization", default=None, help="as tandem serve's (default: the model's)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="as tandem serve's")
     args = ap.parse_args()
 
-    llm = LLM(args.model, quantization=args.quantization)
+    llm = LLM(args.model, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
     rng = random.Random(0)
     vocab = llm.model_config.vocab_size

@@ -9,13 +9,14 @@ from tandem.core.model_config import ModelConfig
 GiB = 2**30
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype_size: int) -> int:
-    """K and V of one token across every layer, at dtype_size bytes per element."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_size
+def kv_bytes_per_token(cfg: ModelConfig, dtype_size: int, scale_bytes: int = 0) -> int:
+    """K and V of one token across every layer, at dtype_size bytes per element, plus
+    scale_bytes per KV head of each (an 8-bit cache's scales)."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim * dtype_size + scale_bytes)
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype_size: int) -> int:
-    return block_size * kv_bytes_per_token(cfg, dtype_size)
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype_size: int, scale_bytes=0) -> int:
+    return block_size * kv_bytes_per_token(cfg, dtype_size, scale_bytes)
 
 
 def num_blocks_for_memory(memory_bytes: int, block_bytes: int) -> int:

@@ -45,14 +45,15 @@ def build_engine(config: EngineConfig, clock=None):
     )
     core = EngineCore(scheduler, loaded.runner, clock, loaded.model_config.eos_token_ids)
     log.info(
-        "engine ready: %s, %s on %s, weights %s, %d KV blocks of %d tokens, max_model_len %d, scheduling %s"
-        ", speculative decoding: %s, LoRA: %s",
+        "engine ready: %s, %s on %s, weights %s, %d KV blocks of %d tokens (KV cache %s), "
+        "max_model_len %d, scheduling %s, speculative decoding: %s, LoRA: %s",
         loaded.model_config.architecture,
         loaded.dtype,
         loaded.device,
         loaded.weights,
         loaded.num_blocks - 1,
         config.block_size,
+        loaded.runner.kv_cache.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
         loaded.max_model_len,
         config.scheduling_policy,
         config.speculative_config.describe() if config.speculative_config else "off",

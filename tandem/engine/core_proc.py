@@ -135,10 +135,24 @@ class EngineCoreProc:
         self.pending += outputs
         return len(outputs)
 
+    def _decode_request(self, frame: bytes) -> EngineCoreRequest | None:
+        """The request, or None after rejecting it: a request whose fields fail validation
+        (a front end's bug, never the client's) is refused by id, never fatal to the core."""
+        try:
+            return self.request_decoder.decode(frame)
+        except msgspec.ValidationError as e:
+            fields = msgspec.msgpack.decode(frame)  # array_like: the request id comes first
+            if not (isinstance(fields, list) and fields and isinstance(fields[0], str)):
+                raise
+            self.rejected.append((fields[0], str(e)))
+            return None
+
     def _handle(self, frames: list[bytes]) -> None:
         kind = frames[0]
         if kind == ADD:
-            request = self.request_decoder.decode(frames[1])
+            request = self._decode_request(frames[1])
+            if request is None:
+                return
             try:
                 if request.kv_transfer is not None:
                     if self.sender is None:
@@ -148,7 +162,9 @@ class EngineCoreProc:
             except Exception as e:  # one bad request never takes the core down
                 self.rejected.append((request.request_id, _reason(e)))
         elif kind == RESERVE:
-            request = self.request_decoder.decode(frames[1])
+            request = self._decode_request(frames[1])
+            if request is None:
+                return
             try:
                 if self.kv is None:
                     raise ValueError("kv_transfer_params: this instance does not receive KV")

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tandem.model.kv_quant import dequantize_kv, quantize_kv
+
 
 @dataclass
 class AttentionGroup:
@@ -69,14 +71,26 @@ class PagedAttention(nn.Module):
         self.decode_kernel = None
         # [num_blocks, block_size, kv_heads, head_dim] each; bound by the runner.
         self.k_cache = self.v_cache = torch.empty(0)
+        # With an 8-bit cache (kv_quant.py): [num_blocks, block_size, kv_heads] float32 scales
+        # of K and V, bound by the runner; None: the cache holds the compute dtype.
+        self.k_scale = self.v_scale = None
         self.layer_index = 0  # which layer of the model, set by the runner
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]
         meta = _meta
         kvh, d = self.num_kv_heads, self.head_dim
-        self.k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
-        self.v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        if self.k_scale is not None:
+            for x, cache, scales in ((k, self.k_cache, self.k_scale), (v, self.v_cache, self.v_scale)):  # fmt: skip
+                xq, xs = quantize_kv(x, cache.dtype)
+                # as bytes: torch's CPU index ops do not take float8
+                cache.view(torch.uint8).view(-1, kvh, d).index_copy_(
+                    0, meta.slot_mapping, xq.view(torch.uint8)
+                )
+                scales.view(-1, kvh).index_copy_(0, meta.slot_mapping, xs)
+        else:
+            self.k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
+            self.v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
         if meta.on_layer_written is not None:
             meta.on_layer_written(self.layer_index)
         outs = [self._attend_group(q[g.token_slice], g) for g in meta.groups]
@@ -87,8 +101,9 @@ class PagedAttention(nn.Module):
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         if qlen == 1 and self.decode_kernel is not None:
             out = self.decode_kernel(
-                q, self.k_cache, self.v_cache, g.block_tables, g.context_lens, self.scale
-            )
+                q, self.k_cache, self.v_cache, g.block_tables, g.context_lens, self.scale,
+                self.k_scale, self.v_scale,
+            )  # fmt: skip
             return out.view(b, h * d)  # [B, H, D] -> [B, H * D]
         if g.scatter_index is not None:
             padded = q.new_zeros(b * qlen, h, d)
@@ -96,8 +111,21 @@ class PagedAttention(nn.Module):
             q = padded
         # index_select is ~4x faster than cache[block_tables] on the CPU
         flat = g.block_tables.view(-1)
-        k = self.k_cache.index_select(0, flat).view(b, -1, kvh, d)  # [B, L, KVH, D]
-        v = self.v_cache.index_select(0, flat).view(b, -1, kvh, d)
+        if self.k_scale is None:
+            k = self.k_cache.index_select(0, flat).view(b, -1, kvh, d)  # [B, L, KVH, D]
+            v = self.v_cache.index_select(0, flat).view(b, -1, kvh, d)
+        else:
+            k, v = (
+                dequantize_kv(
+                    cache.view(torch.uint8)
+                    .index_select(0, flat)
+                    .view(cache.dtype)
+                    .view(b, -1, kvh, d),
+                    scales.index_select(0, flat).view(b, -1, kvh),
+                    q.dtype,
+                )
+                for cache, scales in ((self.k_cache, self.k_scale), (self.v_cache, self.v_scale))
+            )
         out = self.attend(q.view(b, qlen, h, d), k, v, g.mask, self.scale)  # [B, Q, H, D]
         out = out.reshape(b * qlen, h * d)
         return out[g.scatter_index] if g.scatter_index is not None else out

@@ -8,7 +8,7 @@
 - int8, per output row: w = q * scale (`_weight_int8pack_mm`), quantized at load.
 
 Which path runs depends on the rows in the step. torch's kernels dequantize per input row:
-at one row they are 4.7x faster than a bf16 matmul on this project's whole weights (which
+at one row they are about 5x faster than a bf16 matmul on this project's whole weights (which
 stream from memory), level at 16 rows, 2x slower at 64. Past KERNEL_MAX_ROWS rows the
 weight is instead dequantized to bf16 a cache-sized slice at a time (C++,
 kernels/dequant.cpp) and each slice multiplied while it is still in cache
@@ -89,6 +89,7 @@ class QuantizedLinear(nn.Module):
 
     KERNEL_MAX_ROWS = 32  # measured crossover of torch's kernels and dequantize + bf16 matmul
     fmt: str  # e.g. "int4 (group 32)", "Q4_1", for logs and /v1/models
+    padded_rows: int  # output rows as stored (int4 packs blocks of 64)
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -119,8 +120,6 @@ class QuantizedLinear(nn.Module):
             n1 = min(n0 + step, self.padded_rows)
             out[:, n0 : min(n1, n)] = x @ self.dequant_t(n0, n1)[:, : min(n1, n) - n0]
         return out
-
-    padded_rows: int
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -18,6 +18,7 @@ from tandem.core.capacity import (
 )
 from tandem.core.model_config import ModelConfig
 from tandem.engine.config import DEFAULT_KV_CACHE_GIB, kv_cache_setting
+from tandem.model.kv_quant import SCALE_BYTES, storage_dtype
 from tandem.model.loader import gguf_file, load_model, resolve_model
 from tandem.model.quantize import check_device, quantize_model
 from tandem.runner.model_runner import ModelRunner
@@ -50,12 +51,17 @@ def build_model_runner(config) -> LoadedRunner:
     torch.manual_seed(config.seed)
     model = load_model(path, mcfg, dtype, device, max_positions=max_model_len)
     weights = quantize_model(model, method, config.quantization_group_size, gguf)
-    block_bytes = kv_bytes_per_block(mcfg, config.block_size, dtype.itemsize)
+    kv_dtype = storage_dtype(config.kv_cache_dtype, dtype)
+    scale_bytes = 0 if config.kv_cache_dtype == "auto" else SCALE_BYTES
+    block_bytes = kv_bytes_per_block(mcfg, config.block_size, kv_dtype.itemsize, scale_bytes)
     usable = config.num_kv_blocks or num_blocks_for_memory(
         kv_pool_bytes(config, mcfg, dtype, device), block_bytes
     )
     num_blocks = 1 + usable
-    runner = ModelRunner(model, mcfg, num_blocks, config.block_size, dtype, device, config.seed)
+    runner = ModelRunner(
+        model, mcfg, num_blocks, config.block_size, dtype, device, config.seed,
+        config.kv_cache_dtype,
+    )  # fmt: skip
     return LoadedRunner(runner, path, mcfg, max_model_len, num_blocks, dtype, device, weights)
 
 

@@ -15,6 +15,7 @@ from tandem.core.scheduler import SchedulerOutput
 from tandem.lora.layers import lora_context
 from tandem.model import kernels
 from tandem.model.attention import attention_fn, forward_context
+from tandem.model.kv_quant import storage_dtype
 from tandem.model.packed_linear import pack_linears, packing_available
 from tandem.runner.input_batch import prepare_inputs
 from tandem.runner.kv_transfer import export_kv, export_layer, import_kv, import_layer
@@ -35,7 +36,15 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 
 class ModelRunner:
     def __init__(
-        self, model, cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device, seed: int
+        self,
+        model,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype,
+        device,
+        seed: int,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
         if packing_available(dtype, device):
@@ -43,10 +52,14 @@ class ModelRunner:
         # [layers, 2, blocks, block_size, kv_heads, head_dim]; zeroed so unwritten slots are
         # finite (they are masked, but NaN * 0 is still NaN).
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache = zeroed_pool(shape, dtype, device)
+        self.kv_cache = zeroed_pool(shape, storage_dtype(kv_cache_dtype, dtype), device)
+        # an 8-bit cache's scales: [layers, 2, blocks, block_size, kv_heads] float32
+        self.kv_scales = (
+            None if kv_cache_dtype == "auto" else zeroed_pool(shape[:-1], torch.float32, device)
+        )
         attend = attention_fn(dtype, device)
         # On the CPU, decodes skip the KV gather: a C++ kernel reads the paged cache in place
-        # (built on first use, ~40 s once; None where it cannot be built).
+        # (built on first use, ~40 s once; None where it cannot be built), an 8-bit cache too.
         decode_kernel = (
             kernels.paged_decode_attention()
             if device.type == "cpu" and cfg.head_dim % 8 == 0
@@ -54,6 +67,8 @@ class ModelRunner:
         )
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+            if self.kv_scales is not None:
+                attn.k_scale, attn.v_scale = self.kv_scales[i, 0], self.kv_scales[i, 1]
             attn.layer_index = i
             attn.attend, attn.decode_kernel = attend, decode_kernel
         self.sampler = Sampler(seed, device)

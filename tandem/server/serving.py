@@ -132,6 +132,12 @@ class Serving:
                     f"cache but the server's pool holds {pool}; lower max_tokens",
                     "max_tokens",
                 )
+            if params.min_tokens > pool - n:
+                raise bad_request(
+                    f"min_tokens: {params.min_tokens} output tokens do not fit after the "
+                    f"{n}-token prompt (the server holds at most {pool} tokens a request)",
+                    "min_tokens",
+                )
             params = copy.copy(params)
             params.max_tokens = pool - n
         return params

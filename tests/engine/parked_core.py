@@ -5,7 +5,9 @@ test_core_proc_idle.py as `python -m tests.engine.parked_core INBOX OUTBOX`."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import zmq
 
@@ -36,6 +38,21 @@ class ParkedCore:
 
     def stats(self) -> EngineStats:
         return EngineStats(0, self.steps, 0.0, 0, 0, 0, 0)
+
+
+def launch(tmp_path):
+    """-> (context, inbox PUSH, outbox PULL, process): a parked core on ipc sockets in
+    tmp_path, for a test to talk to."""
+    ctx = zmq.Context()
+    inbox, outbox = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    inbox.bind(f"ipc://{tmp_path}/in")
+    outbox.bind(f"ipc://{tmp_path}/out")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.engine.parked_core", f"ipc://{tmp_path}/in",
+         f"ipc://{tmp_path}/out"],
+        cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    return ctx, inbox, outbox, proc
 
 
 def main() -> None:

@@ -3,17 +3,13 @@ CPU until a message arrives, then steps once and blocks again."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import msgspec
-import zmq
 
 from tandem.engine.messages import ABORT, SHUTDOWN, CoreMessage, CoreOutputs
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.engine.parked_core import launch
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -22,16 +18,8 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def test_core_with_a_parked_request_uses_no_cpu_until_a_message_arrives(tmp_path):
-    ctx = zmq.Context()
-    inbox, outbox = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    inbox.bind(f"ipc://{tmp_path}/in")
-    outbox.bind(f"ipc://{tmp_path}/out")
+    ctx, inbox, outbox, proc = launch(tmp_path)
     decoder = msgspec.msgpack.Decoder(CoreMessage)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.engine.parked_core", f"ipc://{tmp_path}/in",
-         f"ipc://{tmp_path}/out"],
-        cwd=ROOT,
-    )  # fmt: skip
     try:
         assert outbox.poll(30_000), "the loop never stepped"
         first = decoder.decode(outbox.recv())

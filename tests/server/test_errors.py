@@ -117,6 +117,17 @@ def test_max_tokens_past_the_context_is_400(http):
     )
 
 
+def test_min_tokens_beyond_what_fits_after_the_prompt_is_400_and_the_engine_lives(http):
+    """Without max_tokens the completion may fill the context; a min_tokens past that is
+    the client's error (found by the API fuzzer: it once reached the engine core and
+    killed it)."""
+    body = {"prompt": [5] * 1000, "min_tokens": 30, "max_tokens": None}
+    r = http.post("/v1/completions", json=body)
+    assert_error(r, 400, "min_tokens", "30 output tokens do not fit after the 1000-token prompt")
+    r = http.post("/v1/completions", json={"prompt": [5] * 1000, "min_tokens": 3, "max_tokens": 5})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 3
+
+
 def test_unknown_model_is_404(http, client):
     r = http.post("/v1/completions", json={"model": "gpt-9", "prompt": PROMPT})
     err = assert_error(r, 404, "model", "The model `gpt-9` does not exist.")

@@ -6,7 +6,8 @@
 //   pass 2  p[g, t] = exp(scores[g, t] - max_g), sums     exact softmax over a [G, ctx] buffer
 //   pass 3  out[g] = sum_t p[g, t] v[t] / sum_g           reads V once
 // Slots past the context length (the tail of the last block, null block 0 in the padding)
-// are never read. Everything accumulates in float32; bf16 and fp16 are widened on load.
+// are never read. Everything accumulates in float32; bf16 and fp16 are widened on load, and
+// an 8-bit cache's int8 or e4m3 values too, its per-slot scales applied to scores and weights.
 //
 // Vectorized with at::vec::Vectorized<float> (8 lanes under CPU_CAPABILITY_AVX2, which the
 // loader defines on CPUs with AVX2 + FMA; a portable fallback otherwise). head_dim must be a
@@ -20,20 +21,54 @@
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <c10/util/Float8_e4m3fn.h>
+
 #include <algorithm>
 #include <atomic>
+#include <optional>
 #include <type_traits>
 #include <vector>
+
+#if defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int kLanes = Vec::size();
 
+using Fp8 = c10::Float8_e4m3fn;
+
+// e4m3 -> float for every bit pattern: an 8-bit cache's values widen by table lookup.
+const float* fp8_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int b = 0; b < 256; ++b) t[b] = static_cast<float>(Fp8(static_cast<uint8_t>(b), Fp8::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
 template <typename T>
 inline Vec widen(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return Vec::loadu(p);
+  } else if constexpr (std::is_same_v<T, int8_t> || std::is_same_v<T, Fp8>) {
+#if defined(CPU_CAPABILITY_AVX2)
+    const __m256i wide = std::is_same_v<T, int8_t>
+        ? _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))
+        : _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    if constexpr (std::is_same_v<T, int8_t>) return Vec(_mm256_cvtepi32_ps(wide));
+    else return Vec(_mm256_i32gather_ps(fp8_table(), wide, 4));
+#else
+    float f[kLanes];
+    for (int i = 0; i < kLanes; ++i) {
+      if constexpr (std::is_same_v<T, int8_t>) f[i] = p[i];
+      else f[i] = fp8_table()[reinterpret_cast<const uint8_t*>(p)[i]];
+    }
+    return Vec::loadu(f);
+#endif
   } else {
     Vec out;
     at::vec::load_to_float(p, out);
@@ -128,31 +163,40 @@ inline float softmax_numerators(float* s, int64_t n) {
 
 // kD > 0 fixes head_dim at compile time so the inner loops unroll; kD == 0 reads it at run
 // time.
-template <typename T, int kD>
+// An 8-bit cache (C = int8_t or Fp8) comes with float scales per (slot, kv head): a key's
+// scale multiplies its scores, a value's its softmax weight.
+template <typename T, typename C, int kD>
 void attend_one(int64_t row, int64_t kvh, const Shapes& s, float scale, const T* q,
-                const T* k_cache, const T* v_cache, const int64_t* tables, int64_t ctx, T* out,
+                const C* k_cache, const C* v_cache, const float* k_scales,
+                const float* v_scales, const int64_t* tables, int64_t ctx, T* out,
                 std::vector<float>& scratch) {
   const int d = kD > 0 ? kD : static_cast<int>(s.head_dim);
   const int64_t group = s.heads / s.kv_heads, bs = s.block_size;
   const int64_t token_stride = s.kv_heads * d;  // between consecutive slots of a block
   const int64_t* table = tables + row * s.max_blocks;
 
-  // scratch: q * scale [G, D] | acc [G, D] | 1 / softmax sum [G] | scores [G, ctx]
-  scratch.resize(2 * group * d + group + group * ctx);
+  // scratch: q * scale [G, D] | acc [G, D] | 1 / softmax sum [G] | scores [G, ctx] |
+  // a block's scaled weights [block_size]
+  scratch.resize(2 * group * d + group + group * ctx + bs);
   float* qf = scratch.data();
   float* acc = qf + group * d;
   float* inv_sum = acc + group * d;
   float* scores = inv_sum + group;
+  float* weights = scores + group * ctx;
   for (int64_t g = 0; g < group; ++g) {
     const T* qg = q + row * s.q_row + (kvh * group + g) * s.q_head;
     for (int j = 0; j < d; ++j) qf[g * d + j] = static_cast<float>(qg[j]) * scale;
   }
 
   for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
-    const T* kb = k_cache + (table[t0 / bs] * bs * s.kv_heads + kvh) * d;
+    const C* kb = k_cache + (table[t0 / bs] * bs * s.kv_heads + kvh) * d;
     const int64_t n = std::min(bs, ctx - t0);
     for (int64_t g = 0; g < group; ++g) {
       dots<kD>(qf + g * d, kb, token_stride, n, scores + g * ctx + t0, d);
+      if (k_scales != nullptr) {
+        const float* ks = k_scales + table[t0 / bs] * bs * s.kv_heads + kvh;
+        for (int64_t i = 0; i < n; ++i) scores[g * ctx + t0 + i] *= ks[i * s.kv_heads];
+      }
     }
   }
 
@@ -160,10 +204,16 @@ void attend_one(int64_t row, int64_t kvh, const Shapes& s, float scale, const T*
 
   std::fill(acc, acc + group * d, 0.f);
   for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
-    const T* vb = v_cache + (table[t0 / bs] * bs * s.kv_heads + kvh) * d;
+    const C* vb = v_cache + (table[t0 / bs] * bs * s.kv_heads + kvh) * d;
     const int64_t n = std::min(bs, ctx - t0);
     for (int64_t g = 0; g < group; ++g) {
-      weighted_rows(scores + g * ctx + t0, vb, token_stride, n, acc + g * d, d);
+      const float* w = scores + g * ctx + t0;
+      if (v_scales != nullptr) {
+        const float* vs = v_scales + table[t0 / bs] * bs * s.kv_heads + kvh;
+        for (int64_t i = 0; i < n; ++i) weights[i] = w[i] * vs[i * s.kv_heads];
+        w = weights;
+      }
+      weighted_rows(w, vb, token_stride, n, acc + g * d, d);
     }
   }
 
@@ -173,9 +223,10 @@ void attend_one(int64_t row, int64_t kvh, const Shapes& s, float scale, const T*
   }
 }
 
-template <typename T, int kD>
-void attend_all(const Shapes& s, float scale, const T* q, const T* k_cache, const T* v_cache,
-                const int64_t* tables, const int64_t* context_lens, T* out, int64_t rows) {
+template <typename T, typename C, int kD>
+void attend_all(const Shapes& s, float scale, const T* q, const C* k_cache, const C* v_cache,
+                const float* k_scales, const float* v_scales, const int64_t* tables,
+                const int64_t* context_lens, T* out, int64_t rows) {
   // Threads claim items one at a time from a shared counter, so ragged context lengths
   // balance across them.
   const int64_t items = rows * s.kv_heads, group = s.heads / s.kv_heads;
@@ -187,7 +238,8 @@ void attend_all(const Shapes& s, float scale, const T* q, const T* k_cache, cons
       const int64_t row = i / s.kv_heads, kvh = i % s.kv_heads;
       const int64_t ctx = context_lens[row];
       if (ctx > 0) {
-        attend_one<T, kD>(row, kvh, s, scale, q, k_cache, v_cache, tables, ctx, out, scratch);
+        attend_one<T, C, kD>(row, kvh, s, scale, q, k_cache, v_cache, k_scales, v_scales, tables,
+                             ctx, out, scratch);
       } else {
         T* o = out + (row * s.heads + kvh * group) * s.head_dim;
         std::fill(o, o + group * s.head_dim, static_cast<T>(0.f));
@@ -196,13 +248,14 @@ void attend_all(const Shapes& s, float scale, const T* q, const T* k_cache, cons
   });
 }
 
-template <typename T>
-void dispatch_head_dim(const Shapes& s, float scale, const T* q, const T* k, const T* v,
-                       const int64_t* tables, const int64_t* lens, T* out, int64_t rows) {
+template <typename T, typename C>
+void dispatch_head_dim(const Shapes& s, float scale, const T* q, const C* k, const C* v,
+                       const float* ks, const float* vs, const int64_t* tables,
+                       const int64_t* lens, T* out, int64_t rows) {
   switch (s.head_dim) {
-    case 64: return attend_all<T, 64>(s, scale, q, k, v, tables, lens, out, rows);
-    case 128: return attend_all<T, 128>(s, scale, q, k, v, tables, lens, out, rows);
-    default: return attend_all<T, 0>(s, scale, q, k, v, tables, lens, out, rows);
+    case 64: return attend_all<T, C, 64>(s, scale, q, k, v, ks, vs, tables, lens, out, rows);
+    case 128: return attend_all<T, C, 128>(s, scale, q, k, v, ks, vs, tables, lens, out, rows);
+    default: return attend_all<T, C, 0>(s, scale, q, k, v, ks, vs, tables, lens, out, rows);
   }
 }
 
@@ -223,17 +276,32 @@ void check_tables(const Shapes& s, const int64_t* tables, const int64_t* lens, i
 
 // q: [B, H, D] (head_dim contiguous); k_cache, v_cache: [num_blocks, block_size, KVH, D]
 // contiguous; block_tables: [B, max_blocks] int64; context_lens: [B] int64 or int32.
-// Returns [B, H, D] in q's dtype.
+// An 8-bit cache (int8 or float8_e4m3fn) comes with k_scales, v_scales: [num_blocks,
+// block_size, KVH] float32. Returns [B, H, D] in q's dtype.
 at::Tensor paged_decode_attention(at::Tensor q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& context_lens, double scale,
+                                  const std::optional<at::Tensor>& k_scales,
+                                  const std::optional<at::Tensor>& v_scales) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q must be [B, H, D], caches 4-d");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() &&
-                  q.scalar_type() == v_cache.scalar_type(),
+  const bool scaled = k_scales.has_value();
+  TORCH_CHECK(scaled == v_scales.has_value(), "k_scales and v_scales come together");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "the caches differ in dtype");
+  TORCH_CHECK(scaled || q.scalar_type() == k_cache.scalar_type(),
               "q and the caches must share a dtype");
+  TORCH_CHECK(!scaled || k_cache.scalar_type() == at::kChar ||
+                  k_cache.scalar_type() == at::kFloat8_e4m3fn,
+              "scales go with an int8 or float8_e4m3fn cache");
+  if (scaled) {
+    for (const at::Tensor* t : {&*k_scales, &*v_scales}) {
+      TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat &&
+                      t->numel() * k_cache.size(3) == k_cache.numel(),
+                  "scales must be contiguous float32 [num_blocks, block_size, KVH]");
+    }
+  }
   const int64_t rows = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == head_dim, "head_dim of q and the caches differ");
@@ -249,11 +317,21 @@ at::Tensor paged_decode_attention(at::Tensor q, const at::Tensor& k_cache,
   check_tables(s, tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), rows, k_cache.size(0));
   at::Tensor out = at::empty({rows, heads, head_dim}, q.options());
   if (rows == 0) return out;
+  const float* ks = scaled ? k_scales->data_ptr<float>() : nullptr;
+  const float* vs = scaled ? v_scales->data_ptr<float>() : nullptr;
   const auto run = [&](auto zero) {
     using T = decltype(zero);
-    dispatch_head_dim<T>(s, static_cast<float>(scale), q.data_ptr<T>(), k_cache.data_ptr<T>(),
-                         v_cache.data_ptr<T>(), tables.data_ptr<int64_t>(),
-                         lens.data_ptr<int64_t>(), out.data_ptr<T>(), rows);
+    const auto with_cache = [&](auto cache_zero) {
+      using C = decltype(cache_zero);
+      dispatch_head_dim<T, C>(s, static_cast<float>(scale), q.data_ptr<T>(),
+                              reinterpret_cast<const C*>(k_cache.data_ptr()),
+                              reinterpret_cast<const C*>(v_cache.data_ptr()), ks, vs,
+                              tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                              out.data_ptr<T>(), rows);
+    };
+    if (!scaled) with_cache(T{});
+    else if (k_cache.scalar_type() == at::kChar) with_cache(int8_t{});
+    else with_cache(Fp8{});
   };
   switch (q.scalar_type()) {
     case at::kFloat: run(float{}); break;
@@ -266,6 +344,8 @@ at::Tensor paged_decode_attention(at::Tensor q, const at::Tensor& k_cache,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention read through block tables (CPU)",
+        "Decode attention read through block tables (CPU)", py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none(),
         py::call_guard<py::gil_scoped_release>());
 }
