@@ -132,30 +132,20 @@ class EngineConfig:
         False, "accepted for vLLM's scripts; tandem always runs eagerly (no graph capture)"
     )
 
+    def _check_choice(self, name: str, choices: tuple) -> None:
+        value = getattr(self, name)
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
     def __post_init__(self) -> None:
         spec = SpeculativeConfig.parse(self.speculative_config)
         object.__setattr__(self, "speculative_config", spec)
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
-            )
-        if self.quantization_group_size not in INT4_GROUP_SIZES:
-            raise ValueError(
-                f"quantization_group_size must be one of {INT4_GROUP_SIZES}, "
-                f"got {self.quantization_group_size!r}"
-            )
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
-            )
-        if self.kv_cache_dtype != "auto" and self.role != "both":
-            raise ValueError(
-                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported with role "
-                f"{self.role!r} yet (prefill/decode instances exchange float KV); use auto"
-            )
+        self._check_choice("dtype", DTYPES)
+        if self.quantization is not None:
+            self._check_choice("quantization", QUANTIZATIONS)
+        self._check_choice("quantization_group_size", INT4_GROUP_SIZES)
+        self._check_choice("kv_cache_dtype", KV_CACHE_DTYPES)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if not (isinstance(self.block_size, int) and 1 <= self.block_size <= 1024):
@@ -170,13 +160,13 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
+        self._check_choice("scheduling_policy", SCHEDULING_POLICIES)
+        self._check_choice("role", ROLES)
+        if self.kv_cache_dtype != "auto" and self.role != "both":
             raise ValueError(
-                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
-                f"got {self.scheduling_policy!r}"
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported with role "
+                f"{self.role!r} yet (prefill/decode instances exchange float KV); use auto"
             )
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if not (isinstance(self.kv_port, int) and 0 <= self.kv_port <= 65535):
             raise ValueError(f"kv_port must be an integer in [0, 65535], got {self.kv_port!r}")
         if not self.kv_transfer_timeout > 0:

@@ -127,9 +127,9 @@ def _convert(path: Path, out: Path) -> None:
             continue
         # llama.cpp interleaves the rotary halves of q and k; undo it for rotate-half RoPE.
         if name.endswith("q_proj.weight"):
-            w = _unpermute(w, heads)
+            w = unpermute(w, heads)
         elif name.endswith("k_proj.weight"):
-            w = _unpermute(w, kv_heads)
+            w = unpermute(w, kv_heads)
         tensors[name] = w
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -152,6 +152,6 @@ def _hf_name(name: str) -> str | None:
     return None  # e.g. rope_freqs: not used by the architectures we load
 
 
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     dim = w.shape[0] // n_head // 2
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tandem.model.gguf import _unpermute
+from tandem.model.gguf import unpermute
 from tandem.model.quant import int8_group_terms
 
 BLOCK = 32
@@ -44,7 +44,7 @@ def tensor_terms(tensor, permute_heads: int | None = None) -> Terms | None:
         q, scale, zero = (torch.as_tensor(np.ascontiguousarray(a)) for a in (q, scale, zero))
         q = q.reshape(rows, cols).to(torch.uint8)
         if permute_heads:
-            q, scale, zero = (_unpermute(t, permute_heads) for t in (q, scale, zero))
+            q, scale, zero = (unpermute(t, permute_heads) for t in (q, scale, zero))
         out.append((q, scale, zero))
     return out
 

@@ -19,6 +19,7 @@ around each quantized matmul.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -84,7 +85,7 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int8), scale
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(nn.Module, ABC):
     """y = x W^T + b with W quantized; the subclasses say how W is stored."""
 
     KERNEL_MAX_ROWS = 32  # measured crossover of torch's kernels and dequantize + bf16 matmul
@@ -121,20 +122,21 @@ class QuantizedLinear(nn.Module):
             out[:, n0 : min(n1, n)] = x @ self.dequant_t(n0, n1)[:, : min(n1, n) - n0]
         return out
 
+    @abstractmethod
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """x @ W^T through torch's weight-only kernel, [rows, padded_rows]."""
 
+    @abstractmethod
     def dequant_t(self, n0: int, n1: int) -> torch.Tensor:
         """W[n0:n1]^T as bf16 [K, n1 - n0], in a scratch buffer valid until the next call."""
-        raise NotImplementedError
 
+    @abstractmethod
     def dequantize(self) -> torch.Tensor:
         """W as float32 [N, K]: the reference these layers are tested against."""
-        raise NotImplementedError
 
+    @abstractmethod
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """W[ids] as float32 [len(ids), K]: an embedding lookup on the same storage."""
-        raise NotImplementedError
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.fmt}"
@@ -145,10 +147,6 @@ class Int4Linear(QuantizedLinear):
         super().__init__(in_features, out_features, bias)
         self.terms, self.fmt = terms, fmt
         self.padded_rows = terms[0].packed.shape[0]
-        # the kernel's arguments, listed once
-        self.packed = [t.packed for t in terms]
-        self.scales_zeros = [t.scales_zeros for t in terms]
-        self.group = terms[0].group
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         y = None
@@ -160,7 +158,8 @@ class Int4Linear(QuantizedLinear):
     def dequant_t(self, n0: int, n1: int) -> torch.Tensor:
         k, size = self.in_features, self.in_features * (n1 - n0)
         out = _scratch(size)[:size].view(k, n1 - n0)
-        kernels.dequant().dequant_int4_t(out, self.packed, self.scales_zeros, self.group, n0, n1)
+        packed, scales_zeros = [t.packed for t in self.terms], [t.scales_zeros for t in self.terms]
+        kernels.dequant().dequant_int4_t(out, packed, scales_zeros, self.terms[0].group, n0, n1)
         return out
 
     def dequantize(self) -> torch.Tensor:

@@ -92,12 +92,7 @@ def test_the_default_model_with_an_8_bit_cache_follows_the_float_cache():
 
 
 @pytest.mark.parametrize("storage", [torch.int8, torch.float8_e4m3fn])
-def test_the_decode_kernel_reads_an_8_bit_cache_as_its_dequantized_values(storage):
-    from tandem.model import kernels
-
-    kernel = kernels.paged_decode_attention()
-    if kernel is None:
-        pytest.skip("the C++ kernel cannot be built here (the torch path is tested above)")
+def test_the_decode_kernel_reads_an_8_bit_cache_as_its_dequantized_values(kernel, storage):
     g = torch.Generator().manual_seed(0)
     blocks, bs, kvh, d, heads, rows = 9, 4, 2, 64, 6, 3
     k, v = (torch.randn(blocks * bs, kvh, d, generator=g) for _ in range(2))

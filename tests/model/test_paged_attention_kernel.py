@@ -4,8 +4,6 @@ a row's context (unused slots hold NaN here), and steps aside when disabled or u
 from __future__ import annotations
 
 import logging
-import platform
-import shutil
 
 import pytest
 import torch
@@ -19,17 +17,6 @@ from tandem.model.kernels import build
 from tandem.runner.input_batch import prepare_inputs
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    if not build.enabled():
-        pytest.skip("TANDEM_NO_CPP_KERNELS is set")
-    fn = kernels.paged_decode_attention()
-    if fn is None and (platform.machine() != "x86_64" or shutil.which("c++") is None):
-        pytest.skip("no C++ toolchain on this platform")
-    assert fn is not None, "the kernel failed to build; run with log level DEBUG for why"
-    return fn
 
 
 def paged_case(lens, block_size, kv_heads, group, head_dim, dtype=torch.float32, seed=0):
