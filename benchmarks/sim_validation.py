@@ -74,7 +74,8 @@ def bracketed(before, after, path: Path) -> tuple[Path, float]:
               for p in (0, 64, 192, 384) for d in (0, 1, 4, 12) for c in (128, 384) if p or d]  # fmt: skip
     drift = sum(abs(after.predict(s) / before.predict(s) - 1) for s in shapes) / len(shapes)
     mean = CostModel(tuple((a + b) / 2 for a, b in zip(before.coef, after.coef)),
-                     {"source": "mean of the profiles before and after the runs", "drift": drift})  # fmt: skip
+                     {"source": "mean of the profiles before and after the runs", "drift": drift},
+                     before.wide_rows)  # fmt: skip
     mean.save(path)
     return path, drift
 

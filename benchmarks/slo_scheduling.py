@@ -83,9 +83,12 @@ def run_policy(policy: str, args, served: list[dict], specs: list[str], rates: s
 def summarize(point: dict) -> dict:
     att = point.get("slo_attainment", {})
     good = sum(att.get(c, {}).get("good", 0) for c in ("interactive", "batch"))
+    inter = att.get("interactive", {})
+    met = {f"interactive_{k}": n / inter["requests"] for k, n in inter.get("met", {}).items()}
     return {
         "rate": point["request_rate"],
-        "interactive": att.get("interactive", {}).get("attainment", 0.0),
+        "interactive": inter.get("attainment", 0.0),
+        **met,  # which of its targets the interactive class met, each on its own
         "batch": att.get("batch", {}).get("attainment", 0.0),
         "goodput": good / point["duration"],
         "throughput": point["output_throughput"],
@@ -108,31 +111,41 @@ def main() -> None:
     ap.add_argument("--max-tokens-step", type=int, default=512, help="--max-num-batched-tokens")
     ap.add_argument("--cost-model", default=None, help="from `tandem profile` (else online)")
     ap.add_argument("--result-dir", default="bench-results/slo")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--saturation", type=float, default=None,
+                    help="req/s, from an earlier run (else measured first)")  # fmt: skip
     args = ap.parse_args()
     served, specs = classes(args)
+    policies = args.policies.split(",")
 
-    sat = run_policy("fcfs", args, served, specs, "inf", "saturation")[0]
-    saturation = sat["completed"] / sat["duration"]
+    saturation = args.saturation
+    if saturation is None:
+        sat = run_policy("fcfs", args, served, specs, "inf", "saturation")[0]
+        saturation = sat["completed"] / sat["duration"]
+        print(f"saturation: {saturation:.3f} req/s (fcfs, {sat['completed']} requests at once)")
     multiples = [float(m) for m in args.multiples.split(",")]
     rates = ",".join(f"{m * saturation:.3f}" for m in multiples)
-    print(f"saturation: {saturation:.3f} req/s (fcfs, {sat['completed']} requests at once)")
     results = {
-        p: [summarize(pt) for pt in run_policy(p, args, served, specs, rates, p)] for p in POLICIES
+        p: [summarize(pt) for pt in run_policy(p, args, served, specs, rates, p)] for p in policies
     }
 
-    print(f"\n{'rate':>7} {'x sat':>6} | " + " | ".join(f"{p:^31}" for p in POLICIES))
+    print(f"\n{'rate':>7} {'x sat':>6} | " + " | ".join(f"{p:^31}" for p in policies))
     print(
         f"{'':>7} {'':>6} | "
-        + " | ".join(f"{'inter':>7} {'batch':>7} {'goodput':>7} {'tok/s':>6}" for _ in POLICIES)
+        + " | ".join(f"{'inter':>7} {'batch':>7} {'goodput':>7} {'tok/s':>6}" for _ in policies)
     )
     for i, m in enumerate(multiples):
         cells = []
-        for p in POLICIES:
+        for p in policies:
             r = results[p][i]
             cells.append(
                 f"{r['interactive']:>7.0%} {r['batch']:>7.0%} {r['goodput']:>7.3f} {r['throughput']:>6.1f}"
             )
-        print(f"{results['fcfs'][i]['rate']:>7.3f} {m:>6.2f} | " + " | ".join(cells))
+        print(f"{results[policies[0]][i]['rate']:>7.3f} {m:>6.2f} | " + " | ".join(cells))
+    print("interactive TTFT / TPOT met, each on its own:")
+    for p in policies:
+        print(f"  {p:>8}: " + "  ".join(
+            f"{r.get('interactive_ttft', 0):.0%}/{r.get('interactive_tpot', 0):.0%}" for r in results[p]))  # fmt: skip
     out = Path(args.result_dir)
     doc = {
         "saturation_rps": saturation,
@@ -154,7 +167,7 @@ def plot(results: dict, multiples: list[float], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, key, title in zip(axes, ("interactive", "batch", "goodput"),
                               ("interactive SLO attainment", "batch SLO attainment", "goodput (req/s)")):  # fmt: skip
-        for p in POLICIES:
+        for p in results:
             ax.plot(multiples, [r[key] for r in results[p]], marker="o", label=p)
         ax.set_title(title)
         ax.set_xlabel("request rate (x saturation)")

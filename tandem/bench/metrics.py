@@ -121,18 +121,22 @@ def attainment(
     default_slo: dict[str, float] | None = None,
 ) -> dict[str, dict]:
     """Per class and over all ('all'): requests sent, requests that met their SLOs, and the
-    fraction. Classes without SLOs of their own use `default_slo`; with neither, every
-    completed request counts as good."""
+    fraction, and under "met" how many met each target on its own (which SLO a class misses).
+    Classes without SLOs of their own use `default_slo`; with neither, every completed
+    request counts as good."""
     class_slos = class_slos or {}
-    tally: dict[str, list[int]] = {}
+    tally: dict[str, dict] = {}
     for r in results:
         slo = class_slos.get(r.cls) or default_slo or {}
         good = meets(r, slo)
         for key in (r.cls, "all"):
-            n_good = tally.setdefault(key, [0, 0])
-            n_good[0] += 1
-            n_good[1] += good
+            t = tally.setdefault(key, {"requests": 0, "good": 0, "met": {}})
+            t["requests"] += 1
+            t["good"] += good
+            for metric, target in slo.items():
+                t["met"][metric] = t["met"].get(metric, 0) + meets(r, {metric: target})
     return {
-        key: {"requests": n, "good": g, "attainment": g / n if n else 0.0}
-        for key, (n, g) in sorted(tally.items(), key=lambda kv: (kv[0] == "all", kv[0]))
-    }
+        key: {"requests": t["requests"], "good": t["good"],
+              "attainment": t["good"] / t["requests"], "met": t["met"]}
+        for key, t in sorted(tally.items(), key=lambda kv: (kv[0] == "all", kv[0]))
+    }  # fmt: skip

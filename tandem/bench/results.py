@@ -101,9 +101,12 @@ def format_summary(result: dict, percentiles=(90, 99), goodput: bool = False) ->
     if result.get("slo_attainment"):
         lines.append("{:-^50}".format("SLO attainment"))
         for cls, a in result["slo_attainment"].items():
+            met = ", ".join(f"{k} {n}" for k, n in a.get("met", {}).items())
             lines.append(
                 "{:<40} {:<10}".format(
-                    f"{cls}:", f"{a['attainment']:.1%} ({a['good']}/{a['requests']})"
+                    f"{cls}:",
+                    f"{a['attainment']:.1%} ({a['good']}/{a['requests']}"
+                    + (f"; met {met})" if met else ")"),
                 )
             )
     lines.append("=" * 50)

@@ -50,9 +50,10 @@ class TokenBudget:
 
 
 class TimeBudget(TokenBudget):
-    """Tokens, and predicted seconds: running decodes are set aside up front (they run, and
-    they set the limit); prefill chunks get what keeps the predicted step within `seconds`,
-    at least `min_prefill` tokens a step so prompts always progress."""
+    """Tokens, and predicted seconds: the running decodes in `decodes` are set aside up front
+    (they run, and they set the limit); other rows get what keeps the predicted step within
+    `seconds`: a decode not set aside runs only if it fits (it can wait a step), a prefill
+    chunk is cut to fit, yet gets at least `min_prefill` tokens a step so prompts progress."""
 
     def __init__(
         self,
@@ -78,6 +79,8 @@ class TimeBudget(TokenBudget):
             return n
         if self._predict_with(request, start, n) <= self.seconds:
             return n
+        if is_decode(request, start, n):
+            return 0
         # The largest chunk that keeps the step inside the limit (cost grows with the chunk),
         # but never below what this step still owes prompts.
         lo, hi = min(n, max(0, self.min_prefill - self._prefilled)), n
@@ -94,7 +97,8 @@ class TimeBudget(TokenBudget):
         self.left -= n
         if self._reserved.pop(request.request_id, None) is None:
             self.shape = self.shape.with_row(request, start, n)
-            self._prefilled += n
+            if not is_decode(request, start, n):
+                self._prefilled += n
             left = self.time_left(request) if start + n == request.num_tokens else None
             if left is not None:
                 self.seconds = min(self.seconds, left)

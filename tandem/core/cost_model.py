@@ -2,13 +2,18 @@
 
     step seconds = c0 + c_prefill * prefill tokens + c_decode * decode rows
                  + c_kv * KV tokens read + c_chunk * chunk attention
+                 + c_narrow * min(rows, wide_rows) + c_wide * (rows > wide_rows)
 
 "KV tokens read" is the context decode rows read (one query against every earlier token: a
 memory-bound read of their KV); "chunk attention" is the (query, key) pairs of prefill chunks,
 n * start against earlier KV plus n * (n + 1) / 2 of their own (many queries share each read:
 compute-bound, quadratic, and the prefill path pads to power-of-two buckets). Keeping the two
-apart is what lets one model fit a CPU profile and an accelerator's roofline alike. The
-model is linear in these, fitted by least squares on relative error (`tandem profile`, or
+apart is what lets one model fit a CPU profile and an accelerator's roofline alike. The last
+two terms are for a runner that changes kernels with the step's rows (prefill tokens plus
+decode rows): on quantized weights, up to `wide_rows` rows the weight-only kernels cost more
+per row, past them each weight is dequantized for a dense matmul, a fixed cost a step pays
+once. Measured on the default model's GGUF blocks (2-core EPYC): 33 prefill tokens took 55
+ms, 32 took 79. The model is linear in these, fitted by least squares on relative error (`tandem profile`, or
 online from the steps the engine runs), and serialized as a small JSON file. The SLO
 scheduler asks it whether a batch keeps every running request inside its TPOT; the router
 and the simulator ask it how long a step takes. Pure Python, no torch.
@@ -18,11 +23,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-FEATURES = ("const", "prefill_tokens", "decode_rows", "kv_tokens", "chunk_kv")
-Coef = tuple[float, float, float, float, float]
+FEATURES = ("const", "prefill_tokens", "decode_rows", "kv_tokens", "chunk_kv", "narrow_rows",
+            "wide_step")  # fmt: skip
+Coef = tuple[float, float, float, float, float, float, float]
+PLAIN = 5  # the features every runner has; the rest only where kernels switch (wide_rows)
 
 
 def chunk_kv(n: int) -> int:
@@ -72,29 +79,57 @@ class StepShape:
 
 @dataclass(frozen=True)
 class CostModel:
-    coef: Coef  # seconds per step, prefill token, decode row, KV token, chunk KV entry
+    # seconds per step, prefill token, decode row, KV token, chunk KV entry, row up to
+    # `wide_rows`, step past them (five given: no kernel switch)
+    coef: Coef
     info: dict | None = None  # where it came from: hardware, model, fit error
+    wide_rows: int | None = None  # rows where the runner switches kernels (None: it never does)
+
+    def __post_init__(self) -> None:
+        if len(self.coef) == PLAIN:
+            object.__setattr__(self, "coef", (*self.coef,) + (0.0,) * (len(FEATURES) - PLAIN))
+        if len(self.coef) != len(FEATURES):
+            raise ValueError(f"cost model: expected {len(FEATURES)} coefficients, got {self.coef}")
+
+    def features(self, shape: StepShape) -> tuple[float, ...]:
+        if self.wide_rows is None:
+            return (*shape.features(), 0.0, 0.0)
+        rows = shape.prefill_tokens + shape.decode_rows
+        return (*shape.features(), min(rows, self.wide_rows), 1.0 if rows > self.wide_rows else 0.0)
 
     def predict(self, shape: StepShape) -> float:
-        return sum(c * x for c, x in zip(self.coef, shape.features()))
+        return sum(c * x for c, x in zip(self.coef, self.features(shape)))
 
     @property
     def seconds_per_prefill_token(self) -> float:
         return self.coef[1]
 
     @classmethod
-    def fit(cls, points: Sequence[tuple[StepShape, float]], ridge: float = 1e-9) -> CostModel:
+    def fit(
+        cls,
+        points: Sequence[tuple[StepShape, float]],
+        wide_rows: int | None = None,
+        anchor: CostModel | None = None,
+        anchor_points: float = 0.0,
+        ridge: float = 1e-9,
+    ) -> CostModel:
         """Least squares on relative error over (shape, seconds) points, so a 30 ms decode
         step counts as much as a 1 s prefill. Coefficients are kept non-negative (a step
-        never gets faster with more work): a negative one is dropped and the rest refitted."""
+        never gets faster with more work): a negative one is dropped and the rest refitted.
+        With an `anchor`, each coefficient is pulled toward the anchor's as if it were
+        `anchor_points` more points: what a few steps cannot tell apart (a handful of
+        decode steps of one size say nothing of the per-row cost) stays where it was."""
         if len(points) < 2:
             raise ValueError(f"cost model: need at least 2 measured steps, got {len(points)}")
-        active = list(range(len(FEATURES)))
+        shaper = cls((0.0,) * len(FEATURES), wide_rows=wide_rows)
+        rows = [(shaper.features(shape), seconds) for shape, seconds in points]
+        active = list(range(len(FEATURES) if wide_rows is not None else PLAIN))
+        pull = None if anchor is None else (anchor.coef, anchor_points / len(points))
         while True:
-            coef = _least_squares(points, active, ridge)
+            coef = _least_squares(rows, active, ridge, pull)
             negative = [i for i in active if coef[i] < 0]
             if not negative:
-                return cls(tuple(coef))
+                return cls(tuple(coef), wide_rows=wide_rows)
             active.remove(min(negative, key=lambda i: coef[i]))
 
     def mean_abs_error(self, points: Sequence[tuple[StepShape, float]]) -> float:
@@ -103,13 +138,21 @@ class CostModel:
 
     # ---- files ---------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"features": list(FEATURES), "coef": list(self.coef), "info": self.info or {}}
+        return {"features": list(FEATURES), "coef": list(self.coef), "wide_rows": self.wide_rows,
+                "info": self.info or {}}  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
-        if data.get("features") != list(FEATURES) or len(data.get("coef", ())) != len(FEATURES):
+        """A saved model; one saved before the kernel-switch terms (five features) reads as one
+        without them."""
+        names, coef = data.get("features"), data.get("coef", ())
+        known = (list(FEATURES), list(FEATURES[:PLAIN]))
+        if names not in known or not isinstance(coef, list) or len(coef) != len(names):
             raise ValueError(f"cost model: expected coefficients for {list(FEATURES)}")
-        return cls(tuple(float(c) for c in data["coef"]), data.get("info") or None)
+        wide = data.get("wide_rows")
+        if wide is not None and not (isinstance(wide, int) and wide >= 0):
+            raise ValueError(f"cost model: wide_rows must be an integer >= 0, got {wide!r}")
+        return cls(tuple(float(c) for c in coef), data.get("info") or None, wide)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -124,11 +167,20 @@ class CostModel:
 
 class OnlineCostModel:
     """A cost model fitted as the engine runs, from the steps it times: it starts from a
-    prior and refits every `refit_every` steps over the last `window` of them."""
+    prior, refits as the points double, then every `refit_every` steps over the last
+    `window` of them, anchored to the model it replaces (early windows hold a few steps of
+    one or two shapes, which cannot tell the constant from the per-row costs)."""
 
-    def __init__(self, prior: CostModel, window: int = 512, refit_every: int = 32) -> None:
-        self.model = prior
+    def __init__(
+        self,
+        prior: CostModel,
+        window: int = 512,
+        refit_every: int = 32,
+        anchor_points: float = 2.0,
+    ) -> None:
+        self.model = prior  # its wide_rows carry over to every refit
         self.window, self.refit_every = window, refit_every
+        self.anchor_points = anchor_points  # the model in place counts as this many points
         self._points: list[tuple[StepShape, float]] = []
         self._since_fit = 0
 
@@ -143,32 +195,46 @@ class OnlineCostModel:
     def coef(self) -> Coef:
         return self.model.coef
 
+    def switches_kernels_at(self, rows: int | None) -> None:
+        """The runner, once loaded, says where its kernels change (CostModel.wide_rows)."""
+        self.model = replace(self.model, wide_rows=rows)
+
     def observe(self, shape: StepShape, seconds: float) -> None:
         if seconds <= 0:
             return
         self._points.append((shape, seconds))
         del self._points[: -self.window]
         self._since_fit += 1
-        if self._since_fit >= self.refit_every and len(self._points) >= 8:
+        # the prior is a guess: refit at 8, 16, 32... points, then every refit_every steps
+        due = min(self.refit_every, max(8, len(self._points) - self._since_fit))
+        if self._since_fit >= due and len(self._points) >= 8:
             self._since_fit = 0
-            self.model = CostModel.fit(self._points)
+            self.model = CostModel.fit(self._points, self.model.wide_rows, self.model,
+                                       self.anchor_points)  # fmt: skip
 
 
 # A prior for a small model on a CPU, replaced as soon as real steps are timed.
 DEFAULT_PRIOR = CostModel((0.02, 0.0005, 0.001, 1e-6, 2e-6), {"source": "prior"})
 
 
-def _least_squares(points, active: list[int], ridge: float) -> list[float]:
-    """Solve the normal equations over the `active` features (Gaussian elimination)."""
+def _least_squares(rows, active: list[int], ridge: float, pull=None) -> list[float]:
+    """Solve the normal equations over the `active` features of (features, seconds) rows
+    (Gaussian elimination); `pull` = (coefficients, weight) adds weight * (c_i - anchor_i)^2
+    times the data's own curvature in each direction."""
     k = len(active)
     a = [[0.0] * k for _ in range(k)]
     b = [0.0] * k
-    for shape, seconds in points:
-        x = [f / seconds for f in shape.features()]  # relative error: each row scaled by 1/t
+    for features, seconds in rows:
+        x = [f / seconds for f in features]  # relative error: each row scaled by 1/t
         for i, fi in enumerate(active):
             b[i] += x[fi]
             for j, fj in enumerate(active):
                 a[i][j] += x[fi] * x[fj]
+    if pull is not None:
+        anchor, weight = pull
+        for i, fi in enumerate(active):
+            b[i] += weight * a[i][i] * anchor[fi]
+            a[i][i] += weight * a[i][i]
     for i in range(k):
         a[i][i] += ridge * (1.0 + a[i][i])
     for col in range(k):  # elimination with partial pivoting

@@ -60,15 +60,12 @@ def run(args: argparse.Namespace) -> int:
         ),
         statistic=args.statistic,
     )
+    wide = loaded.kernel_switch_rows  # the quantized layers change kernels past it
     # k-fold: each point is predicted once by a model that never saw it
     shuffled = random.Random(0).sample(points, len(points))
     folds = [shuffled[i :: args.folds] for i in range(args.folds)]
-    errors = []
-    for i, test in enumerate(folds):
-        train = [p for j, fold in enumerate(folds) if j != i for p in fold]
-        errors += [CostModel.fit(train).mean_abs_error([p]) for p in test]
-    held_out_error = sum(errors) / len(errors)
-    final = CostModel.fit(points)
+    held_out_error = _held_out_error(folds, wide)
+    final = CostModel.fit(points, wide)
     info = {
         "model": str(loaded.model_path),
         "dtype": str(loaded.dtype).replace("torch.", ""),
@@ -80,20 +77,37 @@ def run(args: argparse.Namespace) -> int:
         "held_out_mean_abs_error": held_out_error,
         "fit_mean_abs_error": final.mean_abs_error(points),
     }
-    final = CostModel(final.coef, info)
+    final = CostModel(final.coef, info, wide)
     final.save(args.output)
     c = final.coef
     print(
         f"step = {c[0] * 1e3:.3f} ms + {c[1] * 1e6:.2f} us/prefill token + "
         f"{c[2] * 1e3:.3f} ms/decode row + {c[3] * 1e9:.2f} ns/decode KV token + "
         f"{c[4] * 1e9:.2f} ns/prefill attention pair"
+        + (
+            f" + {c[5] * 1e3:.3f} ms/row up to {wide} rows + {c[6] * 1e3:.3f} ms past them"
+            if wide is not None
+            else ""
+        )  # fmt: skip
     )
     print(
         f"held-out mean absolute error: {held_out_error:.1%} "
         f"({args.folds}-fold over {len(points)} points)"
+        + (f"; {_held_out_error(folds, None):.1%} without the kernel-switch terms" if wide else "")
     )
     print(f"saved to {args.output}")
     return 0
+
+
+def _held_out_error(folds, wide_rows: int | None) -> float:
+    """Mean relative error of each point predicted by a fit on the other folds."""
+    from tandem.core.cost_model import CostModel
+
+    errors = []
+    for i, test in enumerate(folds):
+        train = [p for j, fold in enumerate(folds) if j != i for p in fold]
+        errors += [CostModel.fit(train, wide_rows).mean_abs_error([p]) for p in test]
+    return sum(errors) / len(errors)
 
 
 def _ints(name: str, text: str) -> tuple[int, ...]:

@@ -20,6 +20,7 @@ from tandem.core.model_config import ModelConfig
 from tandem.engine.config import DEFAULT_KV_CACHE_GIB, kv_cache_setting
 from tandem.model.kv_quant import SCALE_BYTES, storage_dtype
 from tandem.model.loader import gguf_file, load_model, resolve_model
+from tandem.model.quant import QuantizedLinear
 from tandem.model.quantize import check_device, quantize_model
 from tandem.runner.model_runner import ModelRunner
 
@@ -36,6 +37,9 @@ class LoadedRunner:
     dtype: torch.dtype
     device: torch.device
     weights: str = "none"  # how the weights are quantized (quantize_model's description)
+    # Step rows past which the quantized layers dequantize for dense matmuls (a step in the
+    # step time the cost model fits); None: one kernel at every size.
+    kernel_switch_rows: int | None = None
 
 
 def build_model_runner(config) -> LoadedRunner:
@@ -62,7 +66,11 @@ def build_model_runner(config) -> LoadedRunner:
         model, mcfg, num_blocks, config.block_size, dtype, device, config.seed,
         config.kv_cache_dtype,
     )  # fmt: skip
-    return LoadedRunner(runner, path, mcfg, max_model_len, num_blocks, dtype, device, weights)
+    switch = {
+        m.KERNEL_MAX_ROWS for m in model.modules() if isinstance(m, QuantizedLinear) and m.can_dense
+    }
+    return LoadedRunner(runner, path, mcfg, max_model_len, num_blocks, dtype, device, weights,
+                        min(switch, default=None))  # fmt: skip
 
 
 def quantization_method(name: str | None, gguf: Path | None) -> str:

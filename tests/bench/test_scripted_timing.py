@@ -124,9 +124,10 @@ def test_attainment_per_class_counts_failures_as_missed(server):
     )
     class_slos = {"chat": {"ttft": 150.0}, "batch": {"e2el": 2000.0}}
     att = metrics.attainment(out.results, class_slos)
-    assert att["chat"] == {"requests": 2, "good": 1, "attainment": 0.5}
-    assert att["batch"] == {"requests": 2, "good": 1, "attainment": 0.5}  # the 500 missed
-    assert att["all"] == {"requests": 4, "good": 2, "attainment": 0.5}
+    assert att["chat"] == {"requests": 2, "good": 1, "attainment": 0.5, "met": {"ttft": 1}}
+    assert att["batch"] == {"requests": 2, "good": 1, "attainment": 0.5, "met": {"e2el": 1}}
+    assert att["all"] == {"requests": 4, "good": 2, "attainment": 0.5,
+                          "met": {"ttft": 1, "e2el": 1}}  # fmt: skip
     s = metrics.summarize(out.results, out.duration)
     assert s["completed"] == 3 and s["failed"] == 1
     failed = [r for r in out.results if not r.success]

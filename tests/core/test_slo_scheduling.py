@@ -3,11 +3,12 @@ advances by the cost model's prediction for each plan, no model, no torch."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 
-from tandem.core.cost_model import CostModel, OnlineCostModel, StepShape
+from tandem.core.cost_model import FEATURES, CostModel, OnlineCostModel, StepShape
 from tandem.core.policy import FCFSBatch, PriorityBatch
 from tandem.core.request import RequestStatus
 from tandem.core.slo import SLOClass
@@ -64,6 +65,26 @@ def test_fit_recovers_known_coefficients():
     assert fitted.mean_abs_error(points) < 0.01
 
 
+def test_fit_recovers_a_kernel_switch_at_a_known_row_count():
+    # up to 32 rows a steeper per-row cost, past them a fixed 30 ms (quantized weights)
+    true = CostModel((0.004, 0.0003, 0.0015, 0.000002, 0.0000005, 0.002, 0.030), wide_rows=32)
+    rng = random.Random(0)
+    points = []
+    for _ in range(300):
+        n = rng.choice([0, rng.randrange(0, 24), rng.randrange(0, 1024)])
+        shape = StepShape(n, rng.randrange(0 if n else 1, 24), rng.randrange(0, 20_000), n * n)
+        points.append((shape, true.predict(shape) * (1 + rng.uniform(-0.01, 0.01))))
+    fitted = CostModel.fit(points, wide_rows=32)
+    for got, want in zip(fitted.coef, true.coef):
+        assert got == pytest.approx(want, rel=0.1, abs=1e-7)
+    assert fitted.mean_abs_error(points) < 0.01
+    assert CostModel.fit(points).mean_abs_error(points) > 0.05  # the plain model cannot
+    # a step of 33 rows pays the switch that a step of 32 does not
+    assert true.predict(StepShape(33)) - true.predict(StepShape(32)) == pytest.approx(
+        0.030 + 0.0003  # the switch, and one more prefill token
+    )
+
+
 def test_fit_never_returns_a_negative_cost():
     points = [(StepShape(n, 0, 0), 0.01) for n in (0, 100, 200)]  # prefill costs nothing
     assert all(c >= 0 for c in CostModel.fit(points).coef)
@@ -73,6 +94,13 @@ def test_cost_model_round_trips_through_a_file(tmp_path):
     model = CostModel((0.01, 0.001, 0.002, 1e-6, 2e-6), {"model": "tiny"})
     model.save(tmp_path / "cost.json")
     assert CostModel.load(tmp_path / "cost.json") == model
+    switching = CostModel((0.01, 0.001, 0.002, 1e-6, 2e-6, 0.003, 0.02), wide_rows=32)
+    switching.save(tmp_path / "switch.json")
+    assert CostModel.load(tmp_path / "switch.json") == switching
+    # a file from before the kernel-switch terms: five features, read as no switch
+    old = {"features": list(FEATURES[:5]), "coef": [0.01, 0.001, 0.002, 1e-6, 2e-6]}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert CostModel.load(tmp_path / "old.json") == CostModel(tuple(old["coef"]))
     (tmp_path / "bad.json").write_text('{"coef": [1]}')
     with pytest.raises(ValueError, match="cost_model"):
         CostModel.load(tmp_path / "bad.json")
@@ -86,6 +114,28 @@ def test_online_model_learns_from_observed_steps():
         online.observe(shape, COST.predict(shape))
     probe = StepShape(500, 4, 0)
     assert online.predict(probe) == pytest.approx(COST.predict(probe), rel=1e-3)
+
+
+def test_an_anchored_fit_keeps_what_its_points_cannot_tell_apart():
+    prior = CostModel((0.02, 0.0005, 0.001, 0.0, 0.0))
+    # decode steps of one size only: the constant and the per-row cost are inseparable
+    points = [(StepShape(0, 4, 0), 0.024)] * 8
+    anchored = CostModel.fit(points, anchor=prior, anchor_points=2.0)
+    assert anchored.predict(StepShape(0, 4, 0)) == pytest.approx(0.024, rel=0.05)
+    assert anchored.coef[0] == pytest.approx(0.02, rel=0.1)  # the prior's split, not 0 / 6 ms
+    assert anchored.predict(StepShape(0, 16, 0)) == pytest.approx(0.036, rel=0.1)
+
+
+def test_online_model_refits_early_then_every_refit_every_steps():
+    online = OnlineCostModel(CostModel((1.0, 0.0, 0.0, 0.0, 0.0)), refit_every=32)
+    fits, model = [], online.model
+    for n in range(1, 129):
+        shape = StepShape(n % 7 * 64, n % 5, n % 3 * 1000)
+        online.observe(shape, COST.predict(shape))
+        if online.model is not model:
+            fits.append(n)
+            model = online.model
+    assert fits == [8, 16, 32, 64, 96, 128]  # the prior is a guess: replaced soon
 
 
 def test_plan_shape_counts_prefill_tokens_decode_rows_and_context():
@@ -163,6 +213,35 @@ def test_slo_keeps_predicted_steps_inside_the_tightest_running_tpot():
     assert all(c.num_output_tokens > 50 for c in chats)
     batch_done = [r for r in h.sched.running if r.slo is BATCH]
     assert not h.sched.num_waiting or batch_done  # the prompts progress meanwhile
+
+
+def test_loose_decodes_sit_out_steps_so_a_tight_tpot_holds_and_theirs_still_do():
+    results = {}
+    for wait in (None, 2.0):
+        policy = SLOBatch(COST, SLOPolicyConfig(decode_wait_steps=wait))
+        h = _harness("slo", policy, num_blocks=2048, max_num_seqs=64)
+        batch = [h.add(_p(4), max_tokens=200, slo=BATCH, priority=1) for _ in range(30)]
+        for _ in range(3):
+            h.step()
+        chat = h.add(_p(4), max_tokens=40, slo=INTERACTIVE)
+        gaps, last = [], {r.request_id: h.clock() for r in batch}
+        while not chat.is_finished:
+            before = {r.request_id: r.num_output_tokens for r in batch}
+            h.step()
+            for r in batch:
+                if r.num_output_tokens > before[r.request_id]:
+                    gaps.append(h.clock() - last[r.request_id])
+                    last[r.request_id] = h.clock()
+        assert chat.status == RequestStatus.FINISHED_LENGTH, chat
+        tpot = (chat.last_token_time - chat.first_scheduled_time) / chat.num_output_tokens
+        results[wait] = (tpot, max(gaps))
+        h.run_to_completion()
+        h.assert_pool_whole()
+    # 30 decode rows alone predict 70 ms a step, past the chat's 60 ms TPOT
+    assert results[None][0] > INTERACTIVE.tpot_ms / 1000
+    tpot, worst_gap = results[2.0]
+    assert tpot <= INTERACTIVE.tpot_ms / 1000
+    assert worst_gap <= BATCH.tpot_ms / 1000  # every batch token still inside its own TPOT
 
 
 def test_a_hopeless_interactive_request_is_shed_and_a_batch_one_demoted():
