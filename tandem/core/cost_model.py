@@ -12,11 +12,11 @@ apart is what lets one model fit a CPU profile and an accelerator's roofline ali
 two terms are for a runner that changes kernels with the step's rows (prefill tokens plus
 decode rows): on quantized weights, up to `wide_rows` rows the weight-only kernels cost more
 per row, past them each weight is dequantized for a dense matmul, a fixed cost a step pays
-once. Measured on the default model's GGUF blocks (2-core EPYC): 33 prefill tokens took 55
-ms, 32 took 79. The model is linear in these, fitted by least squares on relative error (`tandem profile`, or
-online from the steps the engine runs), and serialized as a small JSON file. The SLO
-scheduler asks it whether a batch keeps every running request inside its TPOT; the router
-and the simulator ask it how long a step takes. Pure Python, no torch.
+once (measured on the default model's GGUF blocks, 2-core EPYC: 33 prefill tokens took 55
+ms, 32 took 79). The model is linear in these, fitted by least squares on relative error
+(`tandem profile`, or online from the steps the engine runs), and serialized as a small
+JSON file. The SLO scheduler asks it whether a batch keeps every running request inside its
+TPOT; the router and the simulator ask it how long a step takes. Pure Python, no torch.
 """
 
 from __future__ import annotations
