@@ -15,7 +15,9 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype_size: int, scale_bytes: int = 0) 
     return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim * dtype_size + scale_bytes)
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype_size: int, scale_bytes=0) -> int:
+def kv_bytes_per_block(
+    cfg: ModelConfig, block_size: int, dtype_size: int, scale_bytes: int = 0
+) -> int:
     return block_size * kv_bytes_per_token(cfg, dtype_size, scale_bytes)
 
 

@@ -91,14 +91,8 @@ class CostModel:
         if len(self.coef) != len(FEATURES):
             raise ValueError(f"cost model: expected {len(FEATURES)} coefficients, got {self.coef}")
 
-    def features(self, shape: StepShape) -> tuple[float, ...]:
-        if self.wide_rows is None:
-            return (*shape.features(), 0.0, 0.0)
-        rows = shape.prefill_tokens + shape.decode_rows
-        return (*shape.features(), min(rows, self.wide_rows), 1.0 if rows > self.wide_rows else 0.0)
-
     def predict(self, shape: StepShape) -> float:
-        return sum(c * x for c, x in zip(self.coef, self.features(shape)))
+        return sum(c * x for c, x in zip(self.coef, _features(shape, self.wide_rows)))
 
     @property
     def seconds_per_prefill_token(self) -> float:
@@ -121,8 +115,7 @@ class CostModel:
         decode steps of one size say nothing of the per-row cost) stays where it was."""
         if len(points) < 2:
             raise ValueError(f"cost model: need at least 2 measured steps, got {len(points)}")
-        shaper = cls((0.0,) * len(FEATURES), wide_rows=wide_rows)
-        rows = [(shaper.features(shape), seconds) for shape, seconds in points]
+        rows = [(_features(shape, wide_rows), seconds) for shape, seconds in points]
         active = list(range(len(FEATURES) if wide_rows is not None else PLAIN))
         pull = None if anchor is None else (anchor.coef, anchor_points / len(points))
         while True:
@@ -211,6 +204,14 @@ class OnlineCostModel:
             self._since_fit = 0
             self.model = CostModel.fit(self._points, self.model.wide_rows, self.model,
                                        self.anchor_points)  # fmt: skip
+
+
+def _features(shape: StepShape, wide_rows: int | None) -> tuple[float, ...]:
+    """The values FEATURES names, for a runner whose kernels switch past wide_rows rows."""
+    if wide_rows is None:
+        return (*shape.features(), 0.0, 0.0)
+    rows = shape.prefill_tokens + shape.decode_rows
+    return (*shape.features(), min(rows, wide_rows), 1.0 if rows > wide_rows else 0.0)
 
 
 # A prior for a small model on a CPU, replaced as soon as real steps are timed.

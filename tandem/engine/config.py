@@ -21,7 +21,7 @@ DEFAULT_KV_CACHE_GIB = 2.0
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
 QUANTIZATIONS = ("none", "gguf", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 CPU kernel takes
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")  # as tandem/model/kv_quant.py
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")  # stored as tandem/model/kv_quant.py says
 ROLES = ("both", "prefill", "decode")
 
 

@@ -8,23 +8,19 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")  # vLLM's names; fp8 is e4m3
-# storage dtype, largest representable magnitude
-_FORMATS = {
-    "int8": (torch.int8, 127.0),
-    "fp8": (torch.float8_e4m3fn, 448.0),
-    "fp8_e4m3": (torch.float8_e4m3fn, 448.0),
-}
+# --kv-cache-dtype (engine.config.KV_CACHE_DTYPES, vLLM's names; fp8 is e4m3) -> storage
+_STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}  # largest representable magnitude
 SCALE_BYTES = 4  # one float32 per token, KV head, and K or V
 
 
 def storage_dtype(kv_cache_dtype: str, compute: torch.dtype) -> torch.dtype:
-    return compute if kv_cache_dtype == "auto" else _FORMATS[kv_cache_dtype][0]
+    return compute if kv_cache_dtype == "auto" else _STORAGE[kv_cache_dtype]
 
 
 def quantize_kv(x: torch.Tensor, storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [T, KVH, D] -> (x in `storage`, scales [T, KVH] float32)."""
-    qmax = 127.0 if storage == torch.int8 else 448.0
+    qmax = _QMAX[storage]
     xf = x.float()
     scale = (xf.abs().amax(-1) / qmax).clamp_min(1e-12)
     y = xf / scale[..., None]
