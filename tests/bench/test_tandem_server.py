@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
@@ -11,14 +10,9 @@ from tandem.bench.client import RequestSpec
 from tandem.bench.runner import RunConfig, run_workload
 from tandem.bench.servers import tandem_server
 from tandem.bench.workloads import LengthRange, multi_turn_workload, random_workload
+from tests.server.conftest import free_port
 
 pytest.importorskip("tandem.server.cli")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

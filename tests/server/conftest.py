@@ -24,10 +24,36 @@ API_KEY = "sk-test-key"
 COMMON = ["--kv-cache-memory", "0.01", "--dtype", "float32", "--disable-uvicorn-access-log"]
 
 
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+# Ports are handed out from below the kernel's ephemeral range: the kernel gives ports in that
+# range to every bind to port 0 (a ZMQ KV receiver's, say) and every outgoing connection, so a
+# port found free there can be taken before the server binds it (seen: "Address already in
+# use" while a PD deployment started). Below it only our own picks compete; each pytest
+# process starts at its own offset and never hands out a port twice.
+_EPHEMERAL_FLOOR = _ephemeral_floor()
+_next_port = 10_000 + (os.getpid() * 7919) % max(1, _EPHEMERAL_FLOOR - 11_000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that is free now and that the kernel will not hand to anyone else."""
+    global _next_port
+    for _ in range(_EPHEMERAL_FLOOR):
+        port, _next_port = _next_port, _next_port + 1
+        if _next_port >= _EPHEMERAL_FLOOR:
+            _next_port = 10_000
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port below the ephemeral range")
 
 
 def child_pids(pid: int) -> list[int]:
