@@ -75,6 +75,7 @@ class PagedAttention(nn.Module):
         # of K and V, bound by the runner; None: the cache holds the compute dtype.
         self.k_scale = self.v_scale = None
         self.layer_index = 0  # which layer of the model, set by the runner
+        self.fused = None  # the KV write in one call (kernels/fused.cpp), bound by the runner
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]
@@ -88,6 +89,8 @@ class PagedAttention(nn.Module):
                     0, meta.slot_mapping, xq.view(torch.uint8)
                 )
                 scales.view(-1, kvh).index_copy_(0, meta.slot_mapping, xs)
+        elif self.fused is not None:
+            self.fused.write_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v)
         else:
             self.k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
             self.v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)

@@ -13,8 +13,25 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fused = None  # kernels/fused.cpp, where the runner binds it (use_fused_kernels)
+        self.sum_lanes = 8  # the vector width of torch's float sum here (torch_sum_lanes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """weight * x / rms(x). Given the residual stream, x is first added to it (the layer's
+        skip connection): returns (norm of the sum, the sum)."""
+        if self.fused is not None:
+            if residual is None:
+                return self.fused.rms_norm(x, self.weight, self.eps, self.sum_lanes)
+            normed = self.fused.add_rms_norm(x, residual, self.weight, self.eps, self.sum_lanes)
+            return normed, residual  # residual was updated in place
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -81,13 +98,50 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate-half RoPE (as transformers applies it) on x: [T, heads, D]."""
+def apply_rope(
+    x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], fused=None
+) -> torch.Tensor:
+    """Rotate-half RoPE (as transformers applies it) on x: [T, heads, D]; with the fused
+    kernels, in place."""
     cos, sin = rope
+    if fused is not None:
+        fused.rope_(x, cos, sin)
+        return x
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = None  # kernels/fused.cpp, where the runner binds it (use_fused_kernels)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return nn.functional.silu(gate) * up
+
+
+def use_fused_kernels(model: nn.Module, fused) -> int:
+    """Bind the C++ kernels of kernels/fused.cpp to every module with a fused form (those
+    with a `fused` attribute): norms, activations, RoPE and the KV write. They compute what
+    the torch path computes, rounding where it rounds, for float32 and bf16 on the CPU."""
+    lanes = torch_sum_lanes(fused) if fused is not None else 8
+    modules = [m for m in model.modules() if hasattr(m, "fused")]
+    for m in modules:
+        m.fused = fused
+        if isinstance(m, RMSNorm):
+            m.sum_lanes = lanes
+    return len(modules)
+
+
+def torch_sum_lanes(fused) -> int:
+    """The vector width (8 or 16 floats) with which torch's own float sum ran here: the fused
+    RMSNorm sums in that order, so its mean is torch's to the bit. Found by comparing on a
+    probe, since it depends on the CPU and on which kernels torch dispatches to."""
+    probe = torch.randn(4, 4096, generator=torch.Generator().manual_seed(0))
+    want = probe.pow(2).sum(-1).tolist()
+    for lanes in (8, 16):
+        if all(fused.sum_squares(row, lanes) == w for row, w in zip(probe, want)):
+            return lanes
+    return 8  # neither: the norms then differ from the torch path in a float's last bit

@@ -16,6 +16,7 @@ from tandem.lora.layers import lora_context
 from tandem.model import kernels
 from tandem.model.attention import attention_fn, forward_context
 from tandem.model.kv_quant import storage_dtype
+from tandem.model.layers import use_fused_kernels
 from tandem.model.packed_linear import pack_linears, packing_available
 from tandem.runner.input_batch import prepare_inputs
 from tandem.runner.kv_transfer import export_kv, export_layer, import_kv, import_layer
@@ -49,6 +50,11 @@ class ModelRunner:
         self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
         if packing_available(dtype, device):
             pack_linears(model)
+        # Norms, RoPE, SiLU and the KV write as one C++ call each (kernels/fused.cpp): most
+        # of a small step's ops are these (None where the kernels cannot be built).
+        if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+            if (fused := kernels.fused()) is not None:
+                use_fused_kernels(model, fused)
         # [layers, 2, blocks, block_size, kv_heads, head_dim]; zeroed so unwritten slots are
         # finite (they are masked, but NaN * 0 is still NaN).
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 LORA_SOURCE = Path(__file__).with_name("lora_bgmv.cpp")
 DEQUANT_SOURCE = Path(__file__).with_name("dequant.cpp")
+FUSED_SOURCE = Path(__file__).with_name("fused.cpp")
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
@@ -55,6 +56,14 @@ def dequant():
     if not enabled():
         return None
     return _load(DEQUANT_SOURCE, "tandem_dequant", "the C++ dequantization kernels")
+
+
+def fused():
+    """The module with `rms_norm`, `add_rms_norm`, `rope_`, `silu_and_mul` and `write_kv` (see
+    fused.cpp), or None: use the torch path."""
+    if not enabled():
+        return None
+    return _load(FUSED_SOURCE, "tandem_fused", "the C++ fused layer kernels")
 
 
 @functools.cache

@@ -1,0 +1,332 @@
+// The small per-layer operations of a Llama-family layer, one call each instead of the 3-8
+// PyTorch ops (and as many Python-level dispatches) they take in model/layers.py. At one
+// running request a decode step is ~120 matmuls of a few microseconds and ~1,000 such small
+// ops; vLLM's CPU backend fuses the same set (csrc/cpu: layernorm, activation, pos_encoding).
+//
+// Each computes what the torch path computes, in the same precision at each step: inputs
+// widened to float, every intermediate the torch path rounds to the model's dtype rounded to
+// it here too (bf16 products, sums), and RMSNorm sums in the order of torch's sum kernel: the
+// results equal the torch path's bit for bit (tests/model/test_fused_kernels.py).
+//
+// rms_norm(x, weight, eps, lanes) -> out:             weight * (x / rms(x)), x [T, H]
+// add_rms_norm(x, residual, weight, eps, lanes) -> out: residual += x (in place), then the norm
+//                                                     of residual: the layer's skip connection
+//                                                     and the next norm in one pass
+// rope_(x, cos, sin):                                 x = x * cos + roll(x, D / 2) * sin, in
+//                                                     place; x [T, heads, D] (rows strided),
+//                                                     cos, sin [T, 1, D] (sin signed)
+// silu_and_mul(x) -> out:                             silu(x[:, :I]) * x[:, I:], x [T, 2I]
+// write_kv(k_cache, v_cache, slots, k, v):            cache.view(-1, KVH, D)[slots[t]] = k[t]
+//                                                     (and v), k, v [T, KVH, D] (rows strided)
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+// torch's eager ops round each product and sum separately; a contracted a * b + c (FMA)
+// would not, and float32 results would differ from the torch path in the last bit.
+#pragma GCC optimize("fp-contract=off")
+
+namespace {
+
+using fvec = at::vec::Vectorized<float>;
+using bvec = at::vec::Vectorized<at::BFloat16>;
+
+// Rows in float buffers: read and written through at::vec's bf16 conversions (round to
+// nearest even, as torch's own kernels), the arithmetic between them on plain float arrays.
+template <typename T>
+void load(float* dst, const T* src, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    int64_t i = 0;
+    for (; i + bvec::size() <= n; i += bvec::size()) {
+      auto [lo, hi] = at::vec::convert_bfloat16_float(bvec::loadu(src + i));
+      lo.store(dst + i);
+      hi.store(dst + i + fvec::size());
+    }
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  }
+}
+
+template <typename T>
+void store(T* dst, const float* src, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    int64_t i = 0;
+    for (; i + bvec::size() <= n; i += bvec::size())
+      at::vec::convert_float_bfloat16(fvec::loadu(src + i), fvec::loadu(src + i + fvec::size()))
+          .store(dst + i);
+    for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+  }
+}
+
+// What the torch path does by writing a tensor of dtype T: float values rounded to T.
+template <typename T>
+void round_to(float* buf, int64_t n) {
+  if constexpr (!std::is_same_v<T, float>) {
+    int64_t i = 0;
+    for (; i + bvec::size() <= n; i += bvec::size()) {
+      auto [lo, hi] = at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(
+          fvec::loadu(buf + i), fvec::loadu(buf + i + fvec::size())));
+      lo.store(buf + i);
+      hi.store(buf + i + fvec::size());
+    }
+    for (; i < n; ++i) buf[i] = static_cast<float>(static_cast<T>(buf[i]));
+  }
+}
+
+// Rows in parallel only when there are enough to pay for waking the other threads.
+template <typename F>
+void for_rows(int64_t rows, int64_t row_elems, const F& f) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems));
+  if (rows <= grain) {
+    f(0, rows);
+  } else {
+    at::parallel_for(0, rows, grain, f);
+  }
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, hidden] with unit inner stride");
+}
+
+// sum(x * x) in the order of torch's own float sum (aten/src/ATen/native/cpu/SumKernel.cpp:
+// vectors of L lanes, 4 accumulators, cascaded in levels of 16 so long rows lose no
+// precision), so the norm equals the torch path's bit for bit. L is the vector width torch's
+// kernel ran with on this CPU (the caller finds it, layers.py).
+template <int L>
+float sum_squares(const float* x, int64_t n) {
+  constexpr int ilp = 4, levels = 4;
+  const int64_t vectors = n / L, size = vectors / ilp;
+  int64_t log2 = 0;
+  while ((int64_t{1} << log2) < size) ++log2;
+  const int64_t power = std::max<int64_t>(4, log2 / levels), step = int64_t{1} << power;
+  const int64_t mask = step - 1;
+  float acc[levels][ilp][L] = {};
+  auto add_row = [&](float (&a)[ilp][L], int64_t i) {  // ILP consecutive vectors of row i
+    for (int k = 0; k < ilp; ++k)
+      for (int l = 0; l < L; ++l) {
+        const float v = x[(i * ilp + k) * L + l];
+        a[k][l] += v * v;
+      }
+  };
+  int64_t i = 0;
+  while (i + step <= size) {
+    for (int64_t j = 0; j < step; ++j, ++i) add_row(acc[0], i);
+    for (int j = 1; j < levels; ++j) {
+      for (int k = 0; k < ilp; ++k)
+        for (int l = 0; l < L; ++l) {
+          acc[j][k][l] += acc[j - 1][k][l];
+          acc[j - 1][k][l] = 0.f;
+        }
+      if ((i & (mask << (j * power))) != 0) break;
+    }
+  }
+  for (; i < size; ++i) add_row(acc[0], i);
+  for (int j = 1; j < levels; ++j)
+    for (int k = 0; k < ilp; ++k)
+      for (int l = 0; l < L; ++l) acc[0][k][l] += acc[j][k][l];
+  for (int64_t v = size * ilp; v < vectors; ++v)  // vectors left over from the ILP rows
+    for (int l = 0; l < L; ++l) acc[0][0][l] += x[v * L + l] * x[v * L + l];
+  for (int k = 1; k < ilp; ++k)
+    for (int l = 0; l < L; ++l) acc[0][0][l] += acc[0][k][l];
+  float sum = 0.f;
+  for (int64_t e = vectors * L; e < n; ++e) sum += x[e] * x[e];  // the scalar tail first
+  for (int l = 0; l < L; ++l) sum += acc[0][0][l];
+  return sum;
+}
+
+template <typename T>
+void norm_rows(T* out, const T* in, const T* weight, int64_t rows, int64_t h, int64_t in_stride,
+               float eps, T* residual, int64_t res_stride, int64_t lanes) {
+  std::vector<float> w(h);
+  load(w.data(), weight, h);
+  for_rows(rows, h, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(h), res(h);
+    for (int64_t r = begin; r < end; ++r) {
+      load(buf.data(), in + r * in_stride, h);
+      if (residual != nullptr) {  // residual = T(x + residual): the torch path's `x + r`
+        load(res.data(), residual + r * res_stride, h);
+        for (int64_t i = 0; i < h; ++i) buf[i] += res[i];
+        round_to<T>(buf.data(), h);
+        store(residual + r * res_stride, buf.data(), h);
+      }
+      const float ss = lanes == 16 ? sum_squares<16>(buf.data(), h) : sum_squares<8>(buf.data(), h);
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);  // torch's mean, rsqrt
+      for (int64_t k = 0; k < h; ++k) buf[k] *= inv;
+      round_to<T>(buf.data(), h);  // x.to(dtype)
+      for (int64_t k = 0; k < h; ++k) buf[k] *= w[k];  // weight * x
+      store(out + r * h, buf.data(), h);
+    }
+  });
+}
+
+at::Tensor norm(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
+                double eps, int64_t lanes) {
+  TORCH_CHECK(lanes == 8 || lanes == 16, "lanes must be 8 or 16");
+  check_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type() &&
+                  weight.numel() == x.size(1),
+              "weight must be [hidden] in x's dtype");
+  if (residual != nullptr) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->scalar_type() == x.scalar_type() && residual->sizes() == x.sizes(),
+                "residual must match x");
+  }
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "float64 is not supported");
+    } else {
+      norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
+                          weight.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0),
+                          static_cast<float>(eps),
+                          residual ? residual->data_ptr<scalar_t>() : nullptr,
+                          residual ? residual->stride(0) : 0, lanes);
+    }
+  });
+  return out;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t lanes) {
+  return norm(x, nullptr, weight, eps, lanes);
+}
+
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps, int64_t lanes) {
+  return norm(x, &residual, weight, eps, lanes);
+}
+
+// sum(x * x) of a float row with L lanes: the probe layers.py compares with torch's sum.
+double sum_squares_with(const at::Tensor& x, int64_t lanes) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float");
+  return lanes == 16 ? sum_squares<16>(x.data_ptr<float>(), x.numel())
+                     : sum_squares<8>(x.data_ptr<float>(), x.numel());
+}
+
+template <typename T>
+void rope_rows(T* base, const T* cos, const T* sin, int64_t rows, int64_t heads, int64_t d,
+               int64_t stride) {
+  const int64_t half = d / 2;
+  for_rows(rows, heads * d, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(d), s(d), in(d), a(d), b(d);
+    for (int64_t t = begin; t < end; ++t) {
+      load(c.data(), cos + t * d, d);
+      load(s.data(), sin + t * d, d);
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = base + t * stride + h * d;
+        load(in.data(), v, d);
+        for (int64_t i = 0; i < d; ++i) a[i] = in[i] * c[i];  // x * cos
+        for (int64_t i = 0; i < half; ++i) b[i] = in[i + half] * s[i];  // roll(x) * sin
+        for (int64_t i = half; i < d; ++i) b[i] = in[i - half] * s[i];
+        round_to<T>(a.data(), d);
+        round_to<T>(b.data(), d);
+        for (int64_t i = 0; i < d; ++i) a[i] += b[i];
+        store(v, a.data(), d);
+      }
+    }
+  });
+}
+
+void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "x must be [T, heads, D] with contiguous heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) &&
+                  sin.numel() == cos.numel() && cos.scalar_type() == x.scalar_type() &&
+                  sin.scalar_type() == x.scalar_type(),
+              "cos and sin must be [T, 1, D] in x's dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rope_", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "float64 is not supported");
+    } else {
+      rope_rows<scalar_t>(x.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(),
+                          sin.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2), x.stride(0));
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(T* out, const T* in, int64_t rows, int64_t inter, int64_t stride) {
+  for_rows(rows, inter, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(inter), u(inter);
+    const fvec one(1.f);
+    for (int64_t r = begin; r < end; ++r) {
+      load(g.data(), in + r * stride, inter);
+      load(u.data(), in + r * stride + inter, inter);
+      int64_t i = 0;
+      for (; i + fvec::size() <= inter; i += fvec::size()) {  // torch's silu: x / (1 + exp(-x))
+        const fvec x = fvec::loadu(g.data() + i);
+        (x / (one + x.neg().exp())).store(g.data() + i);
+      }
+      for (; i < inter; ++i) g[i] = g[i] / (1.f + std::exp(-g[i]));
+      round_to<T>(g.data(), inter);
+      for (int64_t k = 0; k < inter; ++k) g[k] *= u[k];
+      store(out + r * inter, g.data(), inter);
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), inter = x.size(1) / 2;
+  auto out = at::empty({rows, inter}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "float64 is not supported");
+    } else {
+      silu_mul_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), rows, inter,
+                              x.stride(0));
+    }
+  });
+  return out;
+}
+
+void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+              const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots must be long");
+  const int64_t rows = k.size(0), row = k.size(1) * k.size(2);
+  const int64_t capacity = k_cache.numel() / row;
+  for (const at::Tensor* t : {&k, &v}) {
+    TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && t->stride(1) == t->size(2) &&
+                    t->size(0) == rows && t->size(1) * t->size(2) == row &&
+                    t->scalar_type() == k_cache.scalar_type(),
+                "k and v must be [T, KVH, D] with contiguous heads, in the cache's dtype");
+  }
+  TORCH_CHECK(slots.numel() == rows && v_cache.numel() == k_cache.numel(), "shape mismatch");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "slot out of range");
+  const int64_t bytes = row * k.element_size();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
+  for (int64_t t = 0; t < rows; ++t) {
+    std::memcpy(kc + slot[t] * bytes, kp + t * ks, bytes);
+    std::memcpy(vc + slot[t] * bytes, vp + t * vs, bytes);
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x in place, then RMSNorm of residual (CPU)");
+  m.def("sum_squares", &sum_squares_with, "sum(x * x) in torch's order with this many lanes");
+  m.def("rope_", &rope_, "rotate-half RoPE in place (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
+  m.def("write_kv", &write_kv, "this step's K and V into their cache slots (CPU)");
+}

@@ -1,0 +1,131 @@
+"""The fused layer kernels (kernels/fused.cpp) compute exactly what the torch path computes:
+every op equal to the bit, in float32 and bf16, at any row count and on strided inputs, and a
+whole model's logits unchanged by binding them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.model.layers import (
+    RMSNorm,
+    SiluAndMul,
+    apply_rope,
+    torch_sum_lanes,
+    use_fused_kernels,
+)
+
+DTYPES = [torch.float32, torch.bfloat16]
+ROWS = [1, 7, 64, 300]
+
+
+def _randn(*shape, dtype, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _norm(hidden: int, dtype, fused=None) -> RMSNorm:
+    norm = RMSNorm(hidden, 1e-5)
+    norm.weight.data = _randn(hidden, dtype=dtype, seed=1)
+    if fused is not None:
+        use_fused_kernels(norm, fused)
+    return norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("hidden", [64, 100, 576, 4096])
+def test_rms_norm_equals_the_torch_path_bit_for_bit(fused, dtype, rows, hidden):
+    x = _randn(rows, hidden, dtype=dtype)
+    assert torch.equal(_norm(hidden, dtype, fused)(x), _norm(hidden, dtype)(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_add_rms_norm_adds_into_the_residual_in_place_and_norms_the_sum(fused, dtype, rows):
+    x, residual = _randn(rows, 576, dtype=dtype), _randn(rows, 576, dtype=dtype, seed=2)
+    want_normed, want_sum = _norm(576, dtype)(x, residual.clone())
+    stream = residual.clone()
+    normed, returned = _norm(576, dtype, fused)(x, stream)
+    assert (
+        returned is stream and torch.equal(stream, want_sum) and torch.equal(stream, x + residual)
+    )
+    assert torch.equal(normed, want_normed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_rope_in_place_on_the_qk_view_of_a_fused_projection_equals_the_torch_path(fused, dtype, rows):  # fmt: skip
+    heads, kv_heads, d = 9, 3, 64
+    qkv = _randn(rows, (heads + 2 * kv_heads) * d, dtype=dtype)
+    qk = qkv[:, : (heads + kv_heads) * d].view(rows, heads + kv_heads, d)  # rows strided
+    cos, sin = (_randn(rows, 1, d, dtype=dtype, seed=s) for s in (3, 4))
+    want = apply_rope(qk, (cos, sin))
+    v_before = qkv[:, (heads + kv_heads) * d :].clone()
+    got = apply_rope(qk, (cos, sin), fused)
+    assert got.data_ptr() == qk.data_ptr() and torch.equal(got, want)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # V untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_and_mul_equals_the_torch_path_on_a_padded_projection_output(fused, dtype, rows):
+    padded = _randn(rows, 2 * 1536 + 64, dtype=dtype)  # as a quantized layer's [:, :out] view
+    x = padded[:, : 2 * 1536]
+    act = SiluAndMul()
+    want = act(x)
+    use_fused_kernels(act, fused)
+    assert torch.equal(act(x), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_puts_each_row_in_its_slot_as_index_copy_does(fused, dtype):
+    blocks, block_size, kvh, d, rows = 6, 4, 3, 8, 5
+    k_cache, v_cache = (torch.zeros(blocks, block_size, kvh, d, dtype=dtype) for _ in range(2))
+    qkv = _randn(rows, 4 * kvh * d, dtype=dtype)
+    k, v = (
+        qkv[:, : kvh * d].view(rows, kvh, d),
+        qkv[:, 2 * kvh * d : 3 * kvh * d].view(rows, kvh, d),
+    )
+    slots = torch.tensor([23, 0, 5, 6, 11])
+    fused.write_kv(k_cache, v_cache, slots, k, v)
+    want_k, want_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    want_k.view(-1, kvh, d).index_copy_(0, slots, k)
+    want_v.view(-1, kvh, d).index_copy_(0, slots, v)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_write_kv_refuses_a_slot_outside_the_cache_and_writes_nothing(fused):
+    k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    k = torch.ones(2, 1, 8)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        fused.write_kv(k_cache, v_cache, torch.tensor([1, 8]), k, k)
+    assert not k_cache.any() and not v_cache.any()
+
+
+def test_the_fused_norm_sums_in_the_order_of_torchs_own_sum(fused):
+    lanes = torch_sum_lanes(fused)
+    x = _randn(3, 5000, dtype=torch.float32, seed=7)
+    assert [fused.sum_squares(row, lanes) for row in x] == x.pow(2).sum(-1).tolist()
+
+
+def _generate(path: str, dtype: str, fused) -> list:
+    """Greedy tokens and top-3 logprobs of a few prompts, on a fresh engine (no prefix cache
+    shared between the two runs), with `fused` bound (None: the torch path)."""
+    llm = LLM(path, dtype=dtype, kv_cache_memory=0.01)
+    model = llm.engine.runner.model
+    assert model.model.norm.fused is not None  # the runner bound the kernels
+    use_fused_kernels(model, fused)
+    prompts = [[5, 17, 42, 99, 7, 3, 250, 11] * 5, [300, 12], [64] * 33]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
+    return [
+        (c.token_ids, [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs])
+        for c in (o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False))
+    ]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_model_generates_the_same_tokens_and_logprobs_with_and_without_the_fused_kernels(fused, checkpoints, arch, dtype):  # fmt: skip
+    path = str(checkpoints[arch])
+    assert _generate(path, dtype, fused) == _generate(path, dtype, None)
