@@ -1,7 +1,9 @@
-"""Steps of one engine with the fused layer kernels (kernels/fused.cpp) bound against the same
-engine on the torch path, alternating rounds in one process so drift on a shared machine hits
-both alike. Decode steps at each batch size (256 tokens of context each) and a prefill step of
-one 256-token prompt; the median ms per step of each and torch / fused.
+"""Steps of one engine three ways, alternating rounds in one process so drift on a shared
+machine hits all alike: on the torch path (`torch`), with the fused layer kernels of
+kernels/fused.cpp bound (`fused`), and with those plus the decode stack that runs a
+decode-only step's layers in one C++ call (`stack`, model/decode_stack.py; int4 weights only).
+Decode steps at each batch size (256 tokens of context each) and a prefill step of one
+256-token prompt; the median ms per step of each and the speed-ups over torch.
 
     python benchmarks/fused_layers.py [--quantization gguf|none] [--batches 1,4,16,64]
         [--rounds 5] [--steps 5]
@@ -19,15 +21,20 @@ from tandem import LLM
 from tandem.model import kernels
 from tandem.model.layers import use_fused_kernels
 
+MODES = ("torch", "fused", "stack")
+
 
 def timed_rounds(llm: LLM, fn, rounds: int) -> dict[str, list[float]]:
     fused, model = kernels.fused(), llm.engine.runner.model
-    times = {"fused": [], "torch": []}
+    stack = model.model.decode_stack
+    times = {mode: [] for mode in MODES}
     for _ in range(rounds):
-        for mode in times:
-            use_fused_kernels(model, fused if mode == "fused" else None)
+        for mode in MODES:
+            use_fused_kernels(model, None if mode == "torch" else fused)
+            model.model.decode_stack = stack if mode == "stack" else None
             times[mode].append(fn())
     use_fused_kernels(model, fused)
+    model.model.decode_stack = stack
     return times
 
 
@@ -40,12 +47,14 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
     llm = LLM(quantization=args.quantization, enable_prefix_caching=False)
-    print(f"weights: {args.quantization}, activations: {llm.engine.runner.kv_cache.dtype}")
-    print(f"{'step':>12} {'fused ms':>9} {'torch ms':>9} {'speed-up':>9}")
+    stack = llm.engine.runner.model.model.decode_stack is not None
+    print(f"weights: {args.quantization}, activations: {llm.engine.runner.kv_cache.dtype}, "
+          f"decode stack: {'yes' if stack else 'no (stack = fused)'}")  # fmt: skip
+    print(f"{'step':>12} {'torch ms':>9} {'fused ms':>9} {'stack ms':>9} {'fused':>7} {'stack':>7}")  # fmt: skip
 
     def report(name, times):
-        f, t = (statistics.median(times[k]) * 1e3 for k in ("fused", "torch"))
-        print(f"{name:>12} {f:>9.2f} {t:>9.2f} {t / f:>8.2f}x", flush=True)
+        t, f, s = (statistics.median(times[k]) * 1e3 for k in MODES)
+        print(f"{name:>12} {t:>9.2f} {f:>9.2f} {s:>9.2f} {t / f:>6.2f}x {t / s:>6.2f}x", flush=True)  # fmt: skip
 
     for n, running in enumerate(map(int, args.batches.split(","))):
         start_batch(llm, running, args.context, f"b{n}")

@@ -60,6 +60,17 @@ def forward_context(meta: AttentionMetadata):
         _meta = None
 
 
+def decode_only() -> AttentionMetadata | None:
+    """This step's metadata when every row is one decode token (a single group of query
+    length 1) and nobody is told of each layer's KV, else None: the steps a DecodeStack
+    (model/decode_stack.py) runs."""
+    meta = _meta
+    if meta is None or meta.on_layer_written is not None or len(meta.groups) != 1:
+        return None
+    group = meta.groups[0]
+    return meta if group.shape[1] == 1 and group.scatter_index is None else None
+
+
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()

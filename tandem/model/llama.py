@@ -61,7 +61,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output, not yet added to the residual stream (None
         before the first layer, where x is the embedding); each norm adds its input to the
@@ -84,10 +87,15 @@ class LlamaModel(nn.Module):
         )
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # The layers of a decode-only step in one C++ call (model/decode_stack.py), where the
+        # runner builds one.
+        self.decode_stack = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = self.rotary.rows(positions)
+        if self.decode_stack is not None and (out := self.decode_stack(x, rope)) is not None:
+            return out
         residual = None
         for layer in self.layers:
             x, residual = layer(rope, x, residual)

@@ -15,6 +15,7 @@ from tandem.core.scheduler import SchedulerOutput
 from tandem.lora.layers import lora_context
 from tandem.model import kernels
 from tandem.model.attention import attention_fn, forward_context
+from tandem.model.decode_stack import build_decode_stack
 from tandem.model.kv_quant import storage_dtype
 from tandem.model.layers import use_fused_kernels
 from tandem.model.packed_linear import pack_linears, packing_available
@@ -52,6 +53,7 @@ class ModelRunner:
             pack_linears(model)
         # Norms, RoPE, SiLU and the KV write as one C++ call each (kernels/fused.cpp): most
         # of a small step's ops are these (None where the kernels cannot be built).
+        fused = None
         if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             if (fused := kernels.fused()) is not None:
                 use_fused_kernels(model, fused)
@@ -77,6 +79,8 @@ class ModelRunner:
                 attn.k_scale, attn.v_scale = self.kv_scales[i, 0], self.kv_scales[i, 1]
             attn.layer_index = i
             attn.attend, attn.decode_kernel = attend, decode_kernel
+        # Decode-only steps of int4 models run their layers in one C++ call (None: no fit).
+        model.model.decode_stack = build_decode_stack(model, fused)
         self.sampler = Sampler(seed, device)
         # Told each layer's index once its K/V for the step is written (a prefill instance
         # streams layers to the decode side with it); None: nobody listens.
@@ -91,6 +95,7 @@ class ModelRunner:
 
         dtype = self.kv_cache.dtype
         self.lora = LoRAManager(self.model, self.cfg, max_loras, max_rank, dtype, self.device)
+        self.model.model.decode_stack = None  # each token's LoRA update runs in the layers
 
     def read_lora(self, path: str):
         """Read and check an adapter's files; safe to call off the step loop."""

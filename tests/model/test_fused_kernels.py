@@ -1,6 +1,8 @@
 """The fused layer kernels (kernels/fused.cpp) compute exactly what the torch path computes:
-every op equal to the bit, in float32 and bf16, at any row count and on strided inputs, and a
-whole model's logits unchanged by binding them."""
+every op equal to the bit, in float32 and bf16, at any row count and on strided inputs; a
+whole model's tokens and logprobs unchanged by binding them; and the decode stack (a
+decode-only step's layers in one C++ call) equal to the Python layers, bound only where it
+can be."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from tandem.model.layers import (
     torch_sum_lanes,
     use_fused_kernels,
 )
+from tandem.model.quant import QuantizedLinear
 
 DTYPES = [torch.float32, torch.bfloat16]
 ROWS = [1, 7, 64, 300]
@@ -129,3 +132,66 @@ def _generate(path: str, dtype: str, fused) -> list:
 def test_a_model_generates_the_same_tokens_and_logprobs_with_and_without_the_fused_kernels(fused, checkpoints, arch, dtype):  # fmt: skip
     path = str(checkpoints[arch])
     assert _generate(path, dtype, fused) == _generate(path, dtype, None)
+
+
+class CountingStack:
+    """Wraps a model's DecodeStack, counting the steps it ran (not those it left to the
+    Python layers)."""
+
+    def __init__(self, stack) -> None:
+        self.stack, self.ran = stack, 0
+
+    def __call__(self, x, rope):
+        out = self.stack(x, rope)
+        self.ran += out is not None
+        return out
+
+
+def _int4_generate(path: str, dtype: str, stack: bool) -> tuple[list, int]:
+    llm = LLM(path, dtype=dtype, kv_cache_memory=0.01, quantization="int4")
+    inner = llm.engine.runner.model.model
+    assert inner.decode_stack is not None  # an int4 model gets one
+    counting = inner.decode_stack = CountingStack(inner.decode_stack) if stack else None
+    prompts = [[5, 17, 42, 99, 7, 3, 250, 11] * 5, [300, 12], [64] * 33]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
+    outs = [
+        (c.token_ids, [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs])
+        for c in (o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False))
+    ]
+    return outs, counting.ran if counting else 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3"])
+def test_the_decode_stack_runs_decode_steps_with_the_python_layers_exact_output(fused, checkpoints, arch, dtype):  # fmt: skip
+    """qwen2: a bias on the fused qkv projection; llama3: head_dim != hidden / heads and
+    tied embeddings."""
+    with_stack, ran = _int4_generate(str(checkpoints[arch]), dtype, stack=True)
+    without, _ = _int4_generate(str(checkpoints[arch]), dtype, stack=False)
+    assert ran >= 10  # the decode-only steps; prefills and mixed steps ran in Python
+    assert with_stack == without
+
+
+def test_the_decode_stack_leaves_steps_past_the_int4_kernels_row_limit_to_the_layers(fused, checkpoints, monkeypatch):  # fmt: skip
+    """Past KERNEL_MAX_ROWS the int4 layers dequantize for dense matmuls; the stack only
+    has the int4 kernel, so it must not run those steps (3 rows here, limit 2)."""
+    monkeypatch.setattr(QuantizedLinear, "KERNEL_MAX_ROWS", 2)
+    with_stack, ran = _int4_generate(str(checkpoints["llama"]), "float32", stack=True)
+    without, _ = _int4_generate(str(checkpoints["llama"]), "float32", stack=False)
+    assert with_stack == without
+    assert ran == 0  # every decode step had all three rows (ignore_eos, the same max_tokens)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},  # float weights
+        {"quantization": "int8"},
+        {"quantization": "int4", "kv_cache_dtype": "int8"},
+        {"quantization": "int4", "enable_lora": True},
+    ],
+    ids=["float", "int8 weights", "int8 kv", "lora"],
+)
+def test_no_decode_stack_where_it_would_not_compute_what_the_layers_do(fused, checkpoints, kwargs):  # fmt: skip
+    llm = LLM(str(checkpoints["llama"]), dtype="float32", kv_cache_memory=0.01, **kwargs)
+    assert llm.engine.runner.model.model.decode_stack is None

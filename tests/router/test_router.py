@@ -23,8 +23,9 @@ PROBE = ("--probe-interval", "0.5")
 @pytest.fixture(scope="module")
 def cluster(llama_path, tmp_path_factory):
     """Everything the module needs, started at once: three workers behind a prefix-aware
-    router; three more behind one whose worker gets killed; one behind a router that also
-    has a stalled worker."""
+    router, and behind a second one that only the routing test uses (so its view of what
+    each worker caches starts empty, whatever the other tests sent); three more behind one
+    whose worker gets killed; one behind a router that also has a stalled worker."""
     logs = tmp_path_factory.mktemp("router-logs")
     steady = [Server(llama_path, [], logs, f"steady-{i}") for i in range(3)]
     doomed = [Server(llama_path, [], logs, f"doomed-{i}") for i in range(3)]
@@ -32,6 +33,7 @@ def cluster(llama_path, tmp_path_factory):
     stalled = StalledWorker()
     routers = {
         "steady": RouterProcess([s.url for s in steady], logs, "router-steady", PROBE),
+        "prefix": RouterProcess([s.url for s in steady], logs, "router-prefix", PROBE),
         "doomed": RouterProcess([s.url for s in doomed], logs, "router-doomed", PROBE),
         "stalled": RouterProcess(
             [stalled.url, lone.url], logs, "router-stalled", (*PROBE, "--policy", "round_robin")
@@ -109,7 +111,10 @@ def test_a_client_that_leaves_mid_stream_aborts_the_request_on_its_worker(cluste
 
 
 def test_prefix_aware_routing_keeps_a_conversation_on_one_worker(cluster):
-    router = _up(cluster["steady"], cluster["routers"]["steady"])
+    """Each conversation's later turns hit the worker its first turn went to; a new one goes
+    to the worker caching least, so three conversations spread out. (On a router that had
+    routed other tests' prompts, "caching least" would depend on what those sent where.)"""
+    router = _up(cluster["steady"], cluster["routers"]["prefix"])
     workers = cluster["steady"]
     used = []
     for c in range(3):

@@ -63,13 +63,18 @@ def fused():
     fused.cpp), or None: use the torch path."""
     if not enabled():
         return None
-    return _load(FUSED_SOURCE, "tandem_fused", "the C++ fused layer kernels")
+    return _load(FUSED_SOURCE, "tandem_fused", "the C++ fused layer kernels", (SOURCE,))
 
 
 @functools.cache
 def _load(
-    source: Path = SOURCE, stem: str = "tandem_paged_attention", what="the C++ attention kernel"
+    source: Path = SOURCE,
+    stem: str = "tandem_paged_attention",
+    what="the C++ attention kernel",
+    includes: tuple[Path, ...] = (),
 ):
+    """Build (or load the cached build of) `source`; `includes` are the sources it
+    #includes, which its build tag covers too."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         log.info("C++ kernels are built for x86 only; using the torch attention path")
         return None
@@ -77,7 +82,7 @@ def _load(
         from torch.utils.cpp_extension import load
 
         cflags = CFLAGS + _vec_flags()
-        name = f"{stem}_{_build_tag(cflags, source)}"
+        name = f"{stem}_{_build_tag(cflags, source, *includes)}"
         if not _is_built(name):
             log.info("compiling %s (once, ~40 s; torch caches it)", what)
         t0 = time.perf_counter()
@@ -118,8 +123,10 @@ def _vec_flags() -> list[str]:
     return ["-DCPU_CAPABILITY=DEFAULT"]
 
 
-def _build_tag(cflags: list[str], source: Path = SOURCE) -> str:
-    h = hashlib.sha256(source.read_bytes())
+def _build_tag(cflags: list[str], *sources: Path) -> str:
+    h = hashlib.sha256()
+    for source in sources or (SOURCE,):
+        h.update(source.read_bytes())
     h.update(" ".join(cflags).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_flags().encode())

@@ -18,9 +18,25 @@
 // silu_and_mul(x) -> out:                             silu(x[:, :I]) * x[:, I:], x [T, 2I]
 // write_kv(k_cache, v_cache, slots, k, v):            cache.view(-1, KVH, D)[slots[t]] = k[t]
 //                                                     (and v), k, v [T, KVH, D] (rows strided)
+//
+// DecodeStack: a decode-only step's whole layer stack in one call, for a model whose
+// projections are int4 (a GGUF's own blocks, or --quantization int4). Python's cost per op
+// (module calls, attribute lookups, argument parsing) is ~1.5-2 ms of a 7 ms batch-1 step;
+// a GPU engine removes it with CUDA graphs, which CPUs do not have. It makes the same calls
+// in the same order as model/llama.py with these kernels bound (torch's int4 matmul, the ops
+// above, paged_attention.cpp's decode kernel), so its output is the Python path's to the bit
+// (tests/model/test_fused_kernels.py).
+
+// The decode kernel, for DecodeStack; before the pragma below, so it compiles as in its own
+// module.
+#define TANDEM_PAGED_ATTENTION_NO_MODULE
+#include "paged_attention.cpp"
+#undef TANDEM_PAGED_ATTENTION_NO_MODULE
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/ops/add.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
@@ -29,6 +45,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -320,6 +338,91 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
   }
 }
 
+// One int4 projection as model/quant.py's Int4Linear computes it: the sum of its terms'
+// matmuls on bf16 activations, cut to its output width, cast back, plus its bias.
+struct Int4Projection {
+  std::vector<at::Tensor> packed, scales_zeros;  // one per term (GGUF's Q8_0 has two)
+  int64_t group = 0, out_features = 0;
+  std::optional<at::Tensor> bias;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
+    at::Tensor y = at::_weight_int4pack_mm_for_cpu(xb, packed[0], group, scales_zeros[0]);
+    for (size_t t = 1; t < packed.size(); ++t)
+      y.add_(at::_weight_int4pack_mm_for_cpu(xb, packed[t], group, scales_zeros[t]));
+    if (y.size(1) != out_features) y = y.narrow(1, 0, out_features);
+    if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
+    if (bias) y = at::add(y, *bias);
+    return y;
+  }
+};
+
+struct DecodeLayer {
+  at::Tensor input_norm, post_norm;  // RMSNorm weights
+  Int4Projection qkv, o, gate_up, down;
+  at::Tensor k_cache, v_cache;  // [num_blocks, block_size, KVH, D]
+};
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
+              int64_t sum_lanes, at::Tensor final_norm)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
+        lanes_(sum_lanes), final_norm_(std::move(final_norm)) {}
+
+  // Each projection: (packed terms, scales_zeros terms, group, out_features, bias or None).
+  using Proj = std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t,
+                          std::optional<at::Tensor>>;
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, const Proj& qkv, const Proj& o,
+                 const Proj& gate_up, const Proj& down, at::Tensor k_cache, at::Tensor v_cache) {
+    auto proj = [](const Proj& p) {
+      return Int4Projection{std::get<0>(p), std::get<1>(p), std::get<2>(p), std::get<3>(p),
+                            std::get<4>(p)};
+    };
+    layers_.push_back({std::move(input_norm), std::move(post_norm), proj(qkv), proj(o),
+                       proj(gate_up), proj(down), std::move(k_cache), std::move(v_cache)});
+  }
+
+  // x: [B, hidden] embeddings; cos, sin: [B, 1, D]; slots: [B]; block_tables: [B, blocks];
+  // context_lens: [B]. Returns the final norm's output, [B, hidden] (LlamaModel.forward).
+  at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& slots, const at::Tensor& block_tables,
+                     const at::Tensor& context_lens) const {
+    TORCH_CHECK(!layers_.empty(), "a decode stack needs layers");
+    const int64_t rows = x.size(0), h = heads_, kvh = kv_heads_, d = head_dim_;
+    at::Tensor residual;
+    for (const DecodeLayer& l : layers_) {
+      at::Tensor hidden;  // LlamaDecoderLayer.forward
+      if (!residual.defined()) {
+        hidden = norm(x, nullptr, l.input_norm, eps_, lanes_);
+        residual = x;
+      } else {
+        hidden = norm(x, &residual, l.input_norm, eps_, lanes_);
+      }
+      const at::Tensor qkv = l.qkv(hidden);                                // [B, (H + 2 KVH) D]
+      at::Tensor qk = qkv.narrow(1, 0, (h + kvh) * d).view({rows, h + kvh, d});
+      rope_(qk, cos, sin);
+      at::Tensor k = qk.narrow(1, h, kvh);                                 // [B, KVH, D]
+      at::Tensor v = qkv.narrow(1, (h + kvh) * d, kvh * d).view({rows, kvh, d});
+      at::Tensor k_cache = l.k_cache, v_cache = l.v_cache;
+      write_kv(k_cache, v_cache, slots, k, v);
+      const at::Tensor attn = paged_decode_attention(qk.narrow(1, 0, h), k_cache, v_cache,
+                                                     block_tables, context_lens, scale_,
+                                                     std::nullopt, std::nullopt);  // [B, H, D]
+      hidden = norm(l.o(attn.view({rows, h * d})), &residual, l.post_norm, eps_, lanes_);
+      x = l.down(silu_and_mul(l.gate_up(hidden)));                         // LlamaMLP.forward
+    }
+    return norm(x, &residual, final_norm_, eps_, lanes_);
+  }
+
+ private:
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_, scale_;
+  int64_t lanes_;
+  at::Tensor final_norm_;
+  std::vector<DecodeLayer> layers_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -329,4 +432,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotate-half RoPE in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
   m.def("write_kv", &write_kv, "this step's K and V into their cache slots (CPU)");
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
 }

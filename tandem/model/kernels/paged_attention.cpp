@@ -342,6 +342,7 @@ at::Tensor paged_decode_attention(at::Tensor q, const at::Tensor& k_cache,
   return out;
 }
 
+#ifndef TANDEM_PAGED_ATTENTION_NO_MODULE  // fused.cpp includes this file for its decode stack
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention read through block tables (CPU)", py::arg("q"), py::arg("k_cache"),
@@ -349,3 +350,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none(),
         py::call_guard<py::gil_scoped_release>());
 }
+#endif
