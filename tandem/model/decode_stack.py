@@ -19,19 +19,20 @@ import torch
 from torch import nn
 
 from tandem.model.attention import decode_only
+from tandem.model.layers import FUSED_ACT_MAX_ROWS, FUSED_ROPE_MAX_ROWS
 from tandem.model.quant import Int4Linear, QuantizedLinear
 
 
 class DecodeStack:
-    def __init__(self, stack, max_rows: int | None) -> None:
+    def __init__(self, stack, max_rows: int) -> None:
         self.stack = stack  # the C++ object, holding every layer's weights and caches
-        self.max_rows = max_rows  # past this many rows the int4 layers switch kernels
+        self.max_rows = max_rows  # past this many rows the layers switch kernels
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """The final norm's output for embeddings x [B, hidden], or None: not a step the
         stack runs (the Python layers do)."""
         meta = decode_only()
-        if meta is None or (self.max_rows is not None and x.shape[0] > self.max_rows):
+        if meta is None or x.shape[0] > self.max_rows:
             return None
         g = meta.groups[0]
         return self.stack.forward(x, *rope, meta.slot_mapping, g.block_tables, g.context_lens)
@@ -69,7 +70,7 @@ def build_decode_stack(model: nn.Module, fused) -> DecodeStack | None:
     attn, norm = attns[0], inner.norm
     stack = fused.DecodeStack(
         attn.num_heads, attn.num_kv_heads, attn.head_dim, norm.eps, attn.scale, norm.sum_lanes,
-        norm.weight.detach(),
+        norm.weight.detach(), FUSED_ACT_MAX_ROWS,
     )  # fmt: skip
     for layer, a in zip(layers, attns):
         sa, mlp = layer.self_attn, layer.mlp
@@ -78,8 +79,9 @@ def build_decode_stack(model: nn.Module, fused) -> DecodeStack | None:
             *(_terms(p) for p in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)),
             a.k_cache, a.v_cache,
         )  # fmt: skip
-    rows = {p.KERNEL_MAX_ROWS for p in projections if p.can_dense}
-    return DecodeStack(stack, min(rows) if rows else None)
+    # past the int4 kernel's rows the layers switch kernels; past the fused RoPE's, torch's
+    rows = {p.KERNEL_MAX_ROWS for p in projections if p.can_dense} | {FUSED_ROPE_MAX_ROWS}
+    return DecodeStack(stack, min(rows))
 
 
 def _terms(p: QuantizedLinear):

@@ -11,6 +11,8 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.model.layers import (
+    FUSED_ACT_MAX_ROWS,
+    FUSED_ROPE_MAX_ROWS,
     RMSNorm,
     SiluAndMul,
     apply_rope,
@@ -65,9 +67,19 @@ def test_rope_in_place_on_the_qk_view_of_a_fused_projection_equals_the_torch_pat
     cos, sin = (_randn(rows, 1, d, dtype=dtype, seed=s) for s in (3, 4))
     want = apply_rope(qk, (cos, sin))
     v_before = qkv[:, (heads + kv_heads) * d :].clone()
-    got = apply_rope(qk, (cos, sin), fused)
-    assert got.data_ptr() == qk.data_ptr() and torch.equal(got, want)
+    fused.rope_(qk, cos, sin)
+    assert torch.equal(qk, want)
     assert torch.equal(qkv[:, (heads + kv_heads) * d :], v_before)  # V untouched
+
+
+@pytest.mark.parametrize("rows", [1, FUSED_ROPE_MAX_ROWS, FUSED_ROPE_MAX_ROWS + 1])
+def test_apply_rope_uses_the_kernel_in_place_up_to_its_row_limit(fused, rows):
+    qk = _randn(rows, 4, 64, dtype=torch.bfloat16)
+    cos, sin = (_randn(rows, 1, 64, dtype=torch.bfloat16, seed=s) for s in (3, 4))
+    want = apply_rope(qk, (cos, sin))
+    got = apply_rope(qk, (cos, sin), fused)
+    assert torch.equal(got, want)
+    assert (got.data_ptr() == qk.data_ptr()) == (rows <= FUSED_ROPE_MAX_ROWS)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -75,9 +87,10 @@ def test_rope_in_place_on_the_qk_view_of_a_fused_projection_equals_the_torch_pat
 def test_silu_and_mul_equals_the_torch_path_on_a_padded_projection_output(fused, dtype, rows):
     padded = _randn(rows, 2 * 1536 + 64, dtype=dtype)  # as a quantized layer's [:, :out] view
     x = padded[:, : 2 * 1536]
+    want = SiluAndMul()(x)
+    assert torch.equal(fused.silu_and_mul(x), want)
     act = SiluAndMul()
-    want = act(x)
-    use_fused_kernels(act, fused)
+    use_fused_kernels(act, fused)  # the kernel up to FUSED_ACT_MAX_ROWS rows, torch's past
     assert torch.equal(act(x), want)
 
 
@@ -147,12 +160,14 @@ class CountingStack:
         return out
 
 
-def _int4_generate(path: str, dtype: str, stack: bool) -> tuple[list, int]:
+THREE_PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11] * 5, [300, 12], [64] * 33]
+
+
+def _int4_generate(path: str, dtype: str, stack: bool, prompts=THREE_PROMPTS) -> tuple[list, int]:
     llm = LLM(path, dtype=dtype, kv_cache_memory=0.01, quantization="int4")
     inner = llm.engine.runner.model.model
     assert inner.decode_stack is not None  # an int4 model gets one
     counting = inner.decode_stack = CountingStack(inner.decode_stack) if stack else None
-    prompts = [[5, 17, 42, 99, 7, 3, 250, 11] * 5, [300, 12], [64] * 33]
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
     outs = [
         (c.token_ids, [{t: lp.logprob for t, lp in d.items()} for d in c.logprobs])
@@ -170,6 +185,15 @@ def test_the_decode_stack_runs_decode_steps_with_the_python_layers_exact_output(
     without, _ = _int4_generate(str(checkpoints[arch]), dtype, stack=False)
     assert ran >= 10  # the decode-only steps; prefills and mixed steps ran in Python
     assert with_stack == without
+
+
+def test_the_decode_stack_runs_steps_past_the_fused_activations_row_limit_exactly(fused, checkpoints):  # fmt: skip
+    """More rows than FUSED_ACT_MAX_ROWS: the stack's MLP uses torch's SiLU and mul, as the
+    Python layers do at that size."""
+    prompts = [[7 + i, 40 + i, 99, 3 * i + 1] for i in range(FUSED_ACT_MAX_ROWS + 4)]
+    with_stack, ran = _int4_generate(str(checkpoints["llama"]), "bfloat16", True, prompts)
+    without, _ = _int4_generate(str(checkpoints["llama"]), "bfloat16", False, prompts)
+    assert ran >= 10 and with_stack == without
 
 
 def test_the_decode_stack_leaves_steps_past_the_int4_kernels_row_limit_to_the_layers(fused, checkpoints, monkeypatch):  # fmt: skip
