@@ -6,6 +6,10 @@ and each path's speed-up over bf16; QuantizedLinear.KERNEL_MAX_ROWS is where the
 kernel stops winning.
 
     python benchmarks/quant_linear.py [--batches 1,4,16,32,64,256] [--repeats 3]
+    python benchmarks/quant_linear.py --head [--batches 1,2,4,8,12,16,32]
+
+--head: the default model's own output head on its GGUF blocks (Q8_0, two int4 terms), the
+int4 kernel against dense by rows: where Int4Linear.TWO_TERM_KERNEL_MAX_ROWS comes from.
 """
 
 from __future__ import annotations
@@ -51,11 +55,35 @@ def runners(layers):
     }
 
 
+def head(batches: list[int], repeats: int) -> None:
+    from tandem import LLM
+
+    layer = LLM(quantization="gguf").engine.runner.model.lm_head
+    print(f"the default model's head: {layer}, {len(layer.terms)} terms; ms per call")
+    print(f"{'rows':>5} {'kernel':>8} {'dense':>8} {'kernel/dense':>13}")
+    for m in batches:
+        x = torch.randn(m, layer.in_features, dtype=torch.bfloat16)
+        best = {"kernel": float("inf"), "dense": float("inf")}
+        for _ in range(repeats):
+            for name, fn in (("kernel", layer.kernel), ("dense", layer.dense)):
+                t = time.perf_counter()
+                fn(x)
+                best[name] = min(best[name], time.perf_counter() - t)
+        k, d = best["kernel"] * 1e3, best["dense"] * 1e3
+        print(f"{m:>5} {k:>8.2f} {d:>8.2f} {k / d:>12.2f}x", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", default="1,4,16,32,64,256")
+    ap.add_argument("--batches", default=None)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--head", action="store_true", help="the default model's Q8_0 head alone")
     args = ap.parse_args()
+    if args.head:
+        with torch.inference_mode():
+            head([int(b) for b in (args.batches or "1,2,4,8,12,16,32").split(",")], max(5, args.repeats))  # fmt: skip
+        return
+    args.batches = args.batches or "1,4,16,32,64,256"
     layers = build()
     store = {"bf16": "bf16", "fp32 oneDNN": "fp32 oneDNN", "int4 kernel": "int4", "int4 dense": "int4", "int8 kernel": "int8", "int8 dense": "int8"}  # fmt: skip
     print(

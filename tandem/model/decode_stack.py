@@ -80,7 +80,7 @@ def build_decode_stack(model: nn.Module, fused) -> DecodeStack | None:
             a.k_cache, a.v_cache,
         )  # fmt: skip
     # past the int4 kernel's rows the layers switch kernels; past the fused RoPE's, torch's
-    rows = {p.KERNEL_MAX_ROWS for p in projections if p.can_dense} | {FUSED_ROPE_MAX_ROWS}
+    rows = {p.kernel_max_rows for p in projections if p.can_dense} | {FUSED_ROPE_MAX_ROWS}
     return DecodeStack(stack, min(rows))
 
 

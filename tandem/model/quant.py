@@ -103,7 +103,7 @@ class QuantizedLinear(nn.Module, ABC):
         # running request a step is ~120 of these calls, and each Python-level op counts.
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         xb = rows if rows.dtype == torch.bfloat16 else rows.to(torch.bfloat16)
-        if rows.shape[0] <= self.KERNEL_MAX_ROWS or not self.can_dense:
+        if rows.shape[0] <= self.kernel_max_rows or not self.can_dense:
             y = self.kernel(xb)
             if self.padded_rows != self.out_features:
                 y = y[:, : self.out_features]
@@ -114,6 +114,11 @@ class QuantizedLinear(nn.Module, ABC):
         if self.bias is not None:
             y = y + self.bias
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    @property
+    def kernel_max_rows(self) -> int:
+        """Rows up to which this layer runs torch's kernel (then dequantize + dense)."""
+        return self.KERNEL_MAX_ROWS
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T through bf16 matmuls, W dequantized one slice of rows at a time."""
@@ -148,10 +153,22 @@ class QuantizedLinear(nn.Module, ABC):
 
 
 class Int4Linear(QuantizedLinear):
+    # Two terms (GGUF's Q8_0, the 8-bit head of HF int4/int8) are two kernel calls, each
+    # dequantizing per row, so dense wins much sooner: on the default model's Q8_0 head
+    # (49152 x 576) the kernel is 3.2x faster at 1 row and 1.3x at 8, dense 1.1x faster at 12,
+    # 1.2x at 16 and 2x at 32 (`python benchmarks/quant_linear.py --head`).
+    TWO_TERM_KERNEL_MAX_ROWS = 10
+
     def __init__(self, in_features, out_features, terms: list[Int4Term], fmt: str, bias=None):
         super().__init__(in_features, out_features, bias)
         self.terms, self.fmt = terms, fmt
         self.padded_rows = terms[0].packed.shape[0]
+
+    @property
+    def kernel_max_rows(self) -> int:
+        if len(self.terms) == 1:
+            return self.KERNEL_MAX_ROWS
+        return min(self.KERNEL_MAX_ROWS, self.TWO_TERM_KERNEL_MAX_ROWS)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu

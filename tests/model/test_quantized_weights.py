@@ -26,6 +26,7 @@ from tandem.model.quant import (
     int4_term,
     quantize_int4,
     quantize_int8,
+    quantize_int8_groups,
 )
 from tandem.model.quantize import check_device
 from tandem.runner.builder import quantization_method
@@ -239,3 +240,21 @@ def test_quantization_flags_are_checked_before_anything_loads(checkpoints):
         check_device("int4", torch.device("cuda"))
     with pytest.raises(ValueError, match="does not divide the 96 input features"):
         LLM(str(checkpoints["llama3"]), quantization="int4", quantization_group_size=64)
+
+
+def test_a_two_term_layer_switches_to_dense_sooner_and_computes_the_same_either_way():
+    """Q8_0 (two int4 terms) runs the kernel only up to TWO_TERM_KERNEL_MAX_ROWS rows: each
+    term dequantizes per row, so dense wins sooner. Both paths compute the layer's weights."""
+    torch.manual_seed(0)
+    w = torch.randn(128, 64)
+    layer = Int4Linear(64, 128, [int4_term(*t) for t in quantize_int8_groups(w, 32)], "Q8_0")
+    _, single = _int4_layer(128, 64, 32)
+    assert single.kernel_max_rows == QuantizedLinear.KERNEL_MAX_ROWS
+    assert layer.kernel_max_rows == Int4Linear.TWO_TERM_KERNEL_MAX_ROWS < single.kernel_max_rows
+    ref, dense_rows = layer.dequantize(), []
+    dense = layer.dense
+    layer.dense = lambda x: dense_rows.append(x.shape[0]) or dense(x)
+    for rows in (layer.kernel_max_rows, layer.kernel_max_rows + 1):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        assert _close(layer(x), x.float() @ ref.t())
+    assert dense_rows == [layer.kernel_max_rows + 1]
