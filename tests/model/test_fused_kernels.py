@@ -119,6 +119,14 @@ def test_write_kv_refuses_a_slot_outside_the_cache_and_writes_nothing(fused):
     assert not k_cache.any() and not v_cache.any()
 
 
+def test_a_dtype_the_kernels_do_not_run_is_refused_by_name(fused):
+    x = torch.zeros(2, 64, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
+        fused.rms_norm(x, torch.ones(64, dtype=torch.float16), 1e-5, 8)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
+        fused.silu_and_mul(x)
+
+
 def test_the_fused_norm_sums_in_the_order_of_torchs_own_sum(fused):
     lanes = torch_sum_lanes(fused)
     x = _randn(3, 5000, dtype=torch.float32, seed=7)

@@ -33,7 +33,6 @@
 #include "paged_attention.cpp"
 #undef TANDEM_PAGED_ATTENTION_NO_MODULE
 
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
 #include <ATen/ops/add.h>
@@ -114,6 +113,17 @@ void for_rows(int64_t rows, int64_t row_elems, const F& f) {
     f(0, rows);
   } else {
     at::parallel_for(0, rows, grain, f);
+  }
+}
+
+// f(T{}) for T the tensor's element type: float32 or bf16, the dtypes the runner binds
+// these kernels for.
+template <typename F>
+void for_dtype(const at::Tensor& x, const F& f) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return f(float{});
+    case at::kBFloat16: return f(at::BFloat16{});
+    default: TORCH_CHECK(false, "float32 or bfloat16 only, got ", x.scalar_type());
   }
 }
 
@@ -205,16 +215,12 @@ at::Tensor norm(const at::Tensor& x, const at::Tensor* residual, const at::Tenso
                 "residual must match x");
   }
   auto out = at::empty({x.size(0), x.size(1)}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
-    if constexpr (std::is_same_v<scalar_t, double>) {
-      TORCH_CHECK(false, "float64 is not supported");
-    } else {
-      norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
-                          weight.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0),
-                          static_cast<float>(eps),
-                          residual ? residual->data_ptr<scalar_t>() : nullptr,
-                          residual ? residual->stride(0) : 0, lanes);
-    }
+  for_dtype(x, [&](auto zero) {
+    using T = decltype(zero);
+    norm_rows<T>(out.data_ptr<T>(), x.data_ptr<T>(), weight.data_ptr<T>(), x.size(0), x.size(1),
+                 x.stride(0), static_cast<float>(eps),
+                 residual ? residual->data_ptr<T>() : nullptr,
+                 residual ? residual->stride(0) : 0, lanes);
   });
   return out;
 }
@@ -266,13 +272,10 @@ void rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
                   sin.numel() == cos.numel() && cos.scalar_type() == x.scalar_type() &&
                   sin.scalar_type() == x.scalar_type(),
               "cos and sin must be [T, 1, D] in x's dtype");
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rope_", [&] {
-    if constexpr (std::is_same_v<scalar_t, double>) {
-      TORCH_CHECK(false, "float64 is not supported");
-    } else {
-      rope_rows<scalar_t>(x.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(),
-                          sin.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2), x.stride(0));
-    }
+  for_dtype(x, [&](auto zero) {
+    using T = decltype(zero);
+    rope_rows<T>(x.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), x.size(0), x.size(1),
+                 x.size(2), x.stride(0));
   });
 }
 
@@ -301,13 +304,9 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), inter = x.size(1) / 2;
   auto out = at::empty({rows, inter}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
-    if constexpr (std::is_same_v<scalar_t, double>) {
-      TORCH_CHECK(false, "float64 is not supported");
-    } else {
-      silu_mul_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), rows, inter,
-                              x.stride(0));
-    }
+  for_dtype(x, [&](auto zero) {
+    using T = decltype(zero);
+    silu_mul_rows<T>(out.data_ptr<T>(), x.data_ptr<T>(), rows, inter, x.stride(0));
   });
   return out;
 }
