@@ -130,17 +130,17 @@ class SiluAndMul(nn.Module):
         return nn.functional.silu(gate) * up
 
 
-def use_fused_kernels(model: nn.Module, fused) -> int:
+def use_fused_kernels(model: nn.Module, fused) -> None:
     """Bind the C++ kernels of kernels/fused.cpp to every module with a fused form (those
     with a `fused` attribute): norms, activations, RoPE and the KV write. They compute what
     the torch path computes, rounding where it rounds, for float32 and bf16 on the CPU."""
     lanes = torch_sum_lanes(fused) if fused is not None else 8
-    modules = [m for m in model.modules() if hasattr(m, "fused")]
-    for m in modules:
+    for m in model.modules():
+        if not hasattr(m, "fused"):
+            continue
         m.fused = fused
         if isinstance(m, RMSNorm):
             m.sum_lanes = lanes
-    return len(modules)
 
 
 def torch_sum_lanes(fused) -> int:

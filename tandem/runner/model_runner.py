@@ -53,10 +53,10 @@ class ModelRunner:
             pack_linears(model)
         # Norms, RoPE, SiLU and the KV write as one C++ call each (kernels/fused.cpp): most
         # of a small step's ops are these (None where the kernels cannot be built).
-        fused = None
-        if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
-            if (fused := kernels.fused()) is not None:
-                use_fused_kernels(model, fused)
+        cpu_float = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+        fused = kernels.fused() if cpu_float else None
+        if fused is not None:
+            use_fused_kernels(model, fused)
         # [layers, 2, blocks, block_size, kv_heads, head_dim]; zeroed so unwritten slots are
         # finite (they are masked, but NaN * 0 is still NaN).
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)

@@ -125,7 +125,7 @@ def _vec_flags() -> list[str]:
 
 def _build_tag(cflags: list[str], *sources: Path) -> str:
     h = hashlib.sha256()
-    for source in sources or (SOURCE,):
+    for source in sources:
         h.update(source.read_bytes())
     h.update(" ".join(cflags).encode())
     h.update(torch.__version__.encode())
