@@ -55,6 +55,17 @@ class RouterProcess(FrontEnd):
     def workers(self) -> dict[str, dict]:
         return {w["url"]: w for w in httpx.get(f"{self.url}/workers", timeout=5).json()}
 
+    def wait_healthy(self, urls: list[str], timeout: float = 90.0) -> RouterProcess:
+        """Until the router routes to every one of `urls`. A worker still loading when the
+        router started fails its probes and is ejected; it is readmitted only at its next
+        backoff probe (up to the router's 30 s max_backoff), not when it comes up."""
+        deadline = time.monotonic() + timeout
+        while not all(self.workers().get(u, {}).get("healthy") for u in urls):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workers not readmitted: {self.workers()}")
+            time.sleep(0.2)
+        return self
+
 
 class StalledWorker:
     """Accepts connections and never answers (a hung process, as the router sees it)."""

@@ -51,9 +51,11 @@ def cluster(llama_path, tmp_path_factory):
 
 
 def _up(servers: list[Server], router: RouterProcess) -> RouterProcess:
+    """The servers ready and the router routing to all of them (a test that meant to use
+    three workers once ran on the only one readmitted so far)."""
     for s in servers:
         s.wait_ready()
-    return router.wait_ready()
+    return router.wait_ready().wait_healthy([s.url for s in servers])
 
 
 def _greedy(prompt, max_tokens=10, **extra) -> dict:
@@ -112,8 +114,9 @@ def test_a_client_that_leaves_mid_stream_aborts_the_request_on_its_worker(cluste
 
 def test_prefix_aware_routing_keeps_a_conversation_on_one_worker(cluster):
     """Each conversation's later turns hit the worker its first turn went to; a new one goes
-    to the worker caching least, so three conversations spread out. (On a router that had
-    routed other tests' prompts, "caching least" would depend on what those sent where.)"""
+    to the worker caching least, so three conversations spread out. (Its own router: on one
+    that had routed other tests' prompts, "caching least" would depend on what those sent
+    where.)"""
     router = _up(cluster["steady"], cluster["routers"]["prefix"])
     workers = cluster["steady"]
     used = []
