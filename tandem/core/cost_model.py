@@ -22,6 +22,7 @@ TPOT; the router and the simulator ask it how long a step takes. Pure Python, no
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -92,7 +93,7 @@ class CostModel:
             raise ValueError(f"cost model: expected {len(FEATURES)} coefficients, got {self.coef}")
 
     def predict(self, shape: StepShape) -> float:
-        return sum(c * x for c, x in zip(self.coef, _features(shape, self.wide_rows)))
+        return sum(map(operator.mul, self.coef, _features(shape, self.wide_rows)))
 
     @property
     def seconds_per_prefill_token(self) -> float:

@@ -147,7 +147,10 @@ class KVCacheManager:
         cursor = self._cursors.get(request.request_id)
         if cursor is None:
             cursor = self._cursors[request.request_id] = _InsertCursor()
-        bs, tokens = self.block_size, request.all_token_ids
+        bs = self.block_size
+        if cursor.stopped or cursor.num_blocks >= num_tokens // bs:  # most steps: none filled
+            return
+        tokens = request.all_token_ids
         while not cursor.stopped and cursor.num_blocks < num_tokens // bs:
             i = cursor.num_blocks
             block_id = request.block_ids[i]

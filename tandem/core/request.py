@@ -19,6 +19,10 @@ class RequestStatus(enum.Enum):
     FINISHED_ERROR = "finished_error"
     FINISHED_SHED = "finished_shed"  # could no longer meet its SLO; its class says shed it
 
+    # Members are singletons: hash by identity (Enum's own hashes the name in Python, and the
+    # step loop asks every row's status whether it is final).
+    __hash__ = object.__hash__
+
     @property
     def finished(self) -> bool:
         return self in FINISH_REASONS

@@ -139,6 +139,8 @@ class EngineCore:
 
     def _fail(self, errors: dict[str, str]) -> list[EngineCoreOutput]:
         """Finish the requests the runner failed on; their outputs say why."""
+        if not errors:  # the usual step
+            return []
         failed = self.scheduler.finish_requests(list(errors), RequestStatus.FINISHED_ERROR)
         return [
             EngineCoreOutput(

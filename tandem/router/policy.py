@@ -47,6 +47,8 @@ class RouteRequest:
 
 
 class RoutingPolicy(Protocol):
+    reads_text: bool
+
     def rank(self, workers: list[WorkerState], request: RouteRequest) -> list[WorkerState]: ...
 
     def routed(self, worker: WorkerState, request: RouteRequest) -> None: ...
@@ -55,6 +57,8 @@ class RoutingPolicy(Protocol):
 
 
 class RoundRobin:
+    reads_text = False  # does it read the prompt's text? (a simulator need not make it)
+
     def __init__(self) -> None:
         self._turn = itertools.count()
 
@@ -120,6 +124,8 @@ class PrefixAware(LeastLoad):
     holding the longest part of its prompt (if that part is at least `cache_threshold` of
     it), else to the least loaded, caching least; once the busiest worker has `balance_abs` more requests
     than the idlest and `balance_rel` times as many, least load decides alone."""
+
+    reads_text = True
 
     def __init__(
         self, cache_threshold: float = 0.3, balance_abs: int = 8, balance_rel: float = 1.5

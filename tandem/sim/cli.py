@@ -76,6 +76,12 @@ def _workload_args(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--goodput", nargs="*", default=None, help="SLOs as ttft:MS tpot:MS e2el:MS")
     p.add_argument("--slo-target", type=float, default=0.9)
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=None,
+        help="processes stepping a colocated cluster's instances (default: one per core)",
+    )
 
 
 def workload(args, rate: float):
@@ -128,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     results = []
 
     def one(rate: float) -> dict:
-        result = _simulate(cluster, workload(args, rate), goodput) | {
+        result = _simulate(cluster, workload(args, rate), goodput, args.processes) | {
             "cluster": str(args.cluster),
             "dataset_name": args.dataset_name,
             "request_rate": rate_value(rate),
@@ -172,11 +178,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _simulate(cluster, requests, goodput) -> dict:
+def _simulate(cluster, requests, goodput, processes: int | None) -> dict:
     from tandem.sim.report import simulate
+    from tandem.sim.shards import default_processes
 
     t0 = time.perf_counter()
-    result = simulate(cluster, requests, goodput)
+    result = simulate(cluster, requests, goodput, processes or default_processes())
     return result | {"wall_seconds": time.perf_counter() - t0}
 
 
@@ -206,7 +213,7 @@ def plan(args: argparse.Namespace) -> int:
             "link": {"bandwidth_gbs": args.link_gbs, "latency_ms": args.link_latency_ms}}  # fmt: skip
 
     def evaluate(cluster: dict) -> dict:
-        return _simulate(ClusterSpec.from_dict(cluster), requests, goodput)
+        return _simulate(ClusterSpec.from_dict(cluster), requests, goodput, args.processes)
 
     def price(cluster: dict) -> float:
         return sum(g.price_per_hour * g.count for g in ClusterSpec.from_dict(cluster).groups)

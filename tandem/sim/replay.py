@@ -27,11 +27,5 @@ def replay(core, requests: list[SimRequest]) -> list[Record]:
         outputs = core.step()
         now = time.perf_counter() - start
         for out in outputs:
-            record = records[int(out.request_id)]
-            if out.new_token_ids:
-                if record.first_token is None:
-                    record.first_token = now
-                record.token_times += [now] * len(out.new_token_ids)
-            if out.finish_reason is not None:
-                record.finished, record.error = now, out.error or ""
+            records[int(out.request_id)].observe(out, now)
     return records

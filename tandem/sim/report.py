@@ -14,7 +14,7 @@ def to_results(records: list[Record]) -> list[RequestResult]:
     for r in records:
         ok = not r.error and r.first_token is not None and r.finished is not None
         start = r.request.arrival
-        times = [start] + r.token_times
+        times = [start, *r.token_times]
         results.append(
             RequestResult(
                 cls=r.request.cls,
@@ -65,9 +65,12 @@ def summarize(sim: Simulation, records: list[Record], percentiles=(90, 99),
     }
 
 
-def simulate(cluster, requests, goodput: dict[str, float] | None = None) -> dict:
-    """Run `requests` on `cluster` and summarize them."""
-    sim = Simulation(cluster, requests)
+def simulate(
+    cluster, requests, goodput: dict[str, float] | None = None, processes: int = 1
+) -> dict:
+    """Run `requests` on `cluster` (stepped by up to `processes` processes: shards.py) and
+    summarize them."""
+    sim = Simulation(cluster, requests, processes)
     return summarize(sim, sim.run(), goodput=goodput)
 
 

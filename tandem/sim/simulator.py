@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import heapq
 import itertools
+from array import array
 from dataclasses import dataclass, field
 
 from tandem.core.clock import FakeClock
@@ -51,11 +53,24 @@ class Record:
     request: SimRequest
     instance: str = ""
     first_token: float | None = None
-    token_times: list[float] = field(default_factory=list)
+    token_times: array = field(default_factory=lambda: array("d"))  # an hour: tens of millions
     finished: float | None = None
     error: str = ""
     prefill_instance: str = ""  # disaggregated: where its prompt was computed
     kv_bytes: int = 0  # disaggregated: prompt KV sent to its decode instance
+
+    def observe(self, out, now: float) -> None:
+        """An output of its engine (EngineCoreOutput), seen at `now`."""
+        if out.new_token_ids:
+            if self.first_token is None:
+                self.first_token = now
+            if len(out.new_token_ids) == 1:
+                self.token_times.append(now)
+            else:
+                self.token_times.extend([now] * len(out.new_token_ids))
+        if out.finish_reason is not None:
+            self.finished = now
+            self.error = out.error or ""
 
 
 class Instance:
@@ -77,12 +92,15 @@ class Instance:
         self.state = WorkerState(name, name)
         self.backlog: list[tuple[SimRequest, str]] = []  # decode: waiting for room to reserve
         self.index = 0  # its place in the simulation's list (the ready heap's tie-break)
+        self.remote = False  # stepped by another process (shards.py): `state` is its report
 
     @property
     def has_work(self) -> bool:
         return self.core.has_unfinished() and not self.core.stalled
 
     def observe(self) -> WorkerState:
+        if self.remote:
+            return self.state
         s = self.core.scheduler
         self.state.running, self.state.waiting = s.num_running, s.num_waiting
         self.state.kv_usage = s.kv.usage
@@ -90,8 +108,11 @@ class Instance:
 
 
 class Simulation:
-    def __init__(self, cluster: ClusterSpec, requests: list[SimRequest]) -> None:
+    def __init__(
+        self, cluster: ClusterSpec, requests: list[SimRequest], processes: int = 1
+    ) -> None:
         self.cluster = cluster
+        self.processes = processes  # a colocated cluster's instances may step in parallel
         self.requests = sorted(requests, key=lambda r: r.arrival)
         self.instances = [
             Instance(f"{g.name}-{i}", g, cluster) for g in cluster.groups for i in range(g.count)
@@ -116,12 +137,29 @@ class Simulation:
             inst.index = n
 
     def run(self) -> list[Record]:
+        # An hour of traffic keeps millions of objects alive and makes a few hundred reference
+        # cycles a minute: the collector's full passes, rescanning every live object, took
+        # ~20% of such a run. The collector resumes when the run ends.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            if self.prefill:
+                self._run_events()
+            else:  # instances meet only at the router: see shards.py
+                from tandem.sim.shards import run_colocated
+
+                run_colocated(self, self.processes)
+        finally:
+            if collecting:
+                gc.enable()
+        return [self.records[f"r{n}"] for n in range(len(self.requests))]
+
+    def _run_events(self) -> None:
         for n, req in enumerate(self.requests):
             self._push(req.arrival, "arrive", (req, f"r{n}"))
         ready = self._ready
         while True:
-            while ready and ready[0][2] != self._versions[ready[0][1]]:  # superseded entries
-                heapq.heappop(ready)
+            self._drop_superseded()
             if self._events and (not ready or self._events[0][0] <= ready[0][0]):
                 when, _, kind, payload = heapq.heappop(self._events)
                 if kind == "arrive":
@@ -132,10 +170,22 @@ class Simulation:
                 self._step(self.instances[heapq.heappop(ready)[1]])
             else:
                 break
-        stuck = [i.name for i in self.instances if i.core.has_unfinished() or i.backlog]
-        if stuck:  # only a request larger than an instance's pool could do this
-            raise RuntimeError(f"instances {stuck} hold requests they can never run")
-        return [self.records[f"r{n}"] for n in range(len(self.requests))]
+        check_drained(self.instances)
+
+    def _drop_superseded(self) -> None:
+        ready = self._ready
+        while ready and ready[0][2] != self._versions[ready[0][1]]:
+            heapq.heappop(ready)
+
+    def advance(self, until: float) -> None:
+        """Run every step that starts before `until`, earliest first (a request arriving at
+        `until` sees the instances after them, as in the event loop)."""
+        ready = self._ready
+        while True:
+            self._drop_superseded()
+            if not ready or ready[0][0] >= until:
+                return
+            self._step(self.instances[heapq.heappop(ready)[1]])
 
     def _touch(self, inst: Instance) -> None:
         n = inst.index
@@ -147,23 +197,27 @@ class Simulation:
         heapq.heappush(self._events, (when, next(self._seq), kind, payload))
 
     def _route(self, policy, instances: list[Instance], req: SimRequest) -> Instance:
-        route = RouteRequest(" ".join(map(str, req.prompt)))
+        # the prompt as text only for a policy that reads it (drawing it costs ~0.1 ms)
+        route = RouteRequest(" ".join(map(str, req.prompt)) if policy.reads_text else "")
         target = policy.rank([i.observe() for i in instances], route)[0]
         policy.routed(target, route)
         return next(i for i in instances if i.state is target)
 
-    def _arrive(self, req: SimRequest, rid: str) -> None:
-        record = Record(req)  # keeps the lazy prompt: the report needs only its length
-        if not isinstance(req.prompt, (tuple, list)):  # drawn ids: made once, while in flight
-            req = dataclasses.replace(req, prompt=tuple(req.prompt))
+    def route_arrival(self, req: SimRequest, rid: str) -> Instance:
+        """Where the request goes; its record starts here (with the lazy prompt: the report
+        needs only its length)."""
         inst = self._route(self.policy, self.front, req)
-        record.instance = inst.name
-        self.records[rid] = record
-        if self.prefill:
-            if inst.backlog or not self._reserve(inst, req, rid, req.arrival):  # in order
-                inst.backlog.append((req, rid))
-        else:
-            self._add(inst, req, rid, req.arrival)
+        self.records[rid] = Record(req, inst.name)
+        return inst
+
+    def add_arrival(self, inst: Instance, req: SimRequest, rid: str) -> None:
+        self._add(inst, in_flight(req), rid, req.arrival)
+
+    def _arrive(self, req: SimRequest, rid: str) -> None:
+        inst = self.route_arrival(req, rid)
+        req = in_flight(req)
+        if inst.backlog or not self._reserve(inst, req, rid, req.arrival):  # in order
+            inst.backlog.append((req, rid))
 
     def _add(self, inst: Instance, req: SimRequest, rid: str, now: float, kv_transfer=None):
         if not inst.core.has_unfinished():  # idle until now
@@ -205,7 +259,7 @@ class Simulation:
                     self.records[out.request_id].error = out.error or "prefill failed"
         else:
             for out in outputs:
-                self._record(out, now)
+                self.records[out.request_id].observe(out, now)
             while inst.backlog and self._reserve(inst, *inst.backlog[0], now):
                 inst.backlog.pop(0)
         self._touch(inst)
@@ -223,18 +277,21 @@ class Simulation:
         if not decode.core.has_unfinished() or decode.core.stalled:  # idle until the KV came
             decode.clock.now = max(decode.clock.now, when)
         for out in decode.core.commit(rid, first_token):
-            self._record(out, max(when, decode.clock()))
+            self.records[out.request_id].observe(out, max(when, decode.clock()))
         self._touch(decode)
 
-    def _record(self, out, now: float) -> None:
-        record = self.records[out.request_id]
-        if out.new_token_ids:
-            if record.first_token is None:
-                record.first_token = now
-            record.token_times += [now] * len(out.new_token_ids)
-        if out.finish_reason is not None:
-            record.finished = now
-            record.error = out.error or ""
+
+def in_flight(req: SimRequest) -> SimRequest:
+    """The request with its prompt's ids drawn (made once, while it is in flight)."""
+    if isinstance(req.prompt, (tuple, list)):
+        return req
+    return dataclasses.replace(req, prompt=tuple(req.prompt))
+
+
+def check_drained(instances: list[Instance]) -> None:
+    stuck = [i.name for i in instances if i.core.has_unfinished() or i.backlog]
+    if stuck:  # only a request larger than an instance's pool could do this
+        raise RuntimeError(f"instances {stuck} hold requests they can never run")
 
 
 def core_request(req: SimRequest, rid: str, kv_transfer=None) -> EngineCoreRequest:

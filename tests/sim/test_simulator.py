@@ -142,6 +142,34 @@ def test_the_same_seed_gives_the_same_result_byte_for_byte(tmp_path):
     assert once(1) != once(2)
 
 
+@pytest.mark.parametrize("router", ["least_load", "prefix_aware"])
+def test_instances_stepped_by_several_processes_give_the_one_process_result(router):
+    cluster = ClusterSpec.from_dict({"model": "llama-3-8b", "router": router, "groups": [
+        {"hardware": "H100", "count": 5, "price_per_hour": 2.5}]})  # fmt: skip
+    requests = random_requests(300, 256, 32, 60.0, 3, range_ratio=0.5)
+
+    def once(processes):
+        sim = Simulation(cluster, requests, processes)
+        return json.dumps(summarize(sim, sim.run()), sort_keys=True)
+
+    one = once(1)
+    assert json.loads(one)["completed"] == 300
+    assert once(2) == one
+    assert once(3) == one  # shards of two and one instances
+
+
+def test_a_step_that_raises_in_another_process_fails_the_run_with_its_traceback(tmp_path):
+    sim = Simulation(constant_cluster(tmp_path, count=2), [], processes=2)
+    sim.requests = [SimRequest(0.001 * i, tuple(range(i, i + 8)), 2) for i in range(4)]
+
+    def broken():
+        raise ZeroDivisionError("a bug in the step")
+
+    sim.instances[1].core.step = broken  # instance 1 is the second process's
+    with pytest.raises(RuntimeError, match="shard failed(.|\n)*a bug in the step"):
+        sim.run()
+
+
 def test_round_robin_spreads_requests_over_instances(tmp_path):
     requests = [SimRequest(0.001 * i, tuple(range(i, i + 8)), 2) for i in range(6)]
     sim = Simulation(constant_cluster(tmp_path, count=3), requests)
