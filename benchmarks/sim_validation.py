@@ -70,7 +70,7 @@ def bracketed(before, after, path: Path) -> tuple[Path, float]:
     drifts), and how far apart they are over the grid's decode and prefill steps."""
     from tandem.core.cost_model import CostModel, StepShape
 
-    shapes = [StepShape(p, d, d * c, p * (p + 1) // 2)
+    shapes = [StepShape.prompt(p, d).plus(kv_tokens=d * c)
               for p in (0, 64, 192, 384) for d in (0, 1, 4, 12) for c in (128, 384) if p or d]  # fmt: skip
     drift = sum(abs(after.predict(s) / before.predict(s) - 1) for s in shapes) / len(shapes)
     mean = CostModel(tuple((a + b) / 2 for a, b in zip(before.coef, after.coef)),

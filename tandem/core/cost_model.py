@@ -3,17 +3,22 @@
     step seconds = c0 + c_prefill * prefill tokens + c_decode * decode rows
                  + c_kv * KV tokens read + c_chunk * chunk attention
                  + c_narrow * min(rows, wide_rows) + c_wide * (rows > wide_rows)
+                 + c_rows * prefill chunks + c_own * chunks' own attention
 
 "KV tokens read" is the context decode rows read (one query against every earlier token: a
 memory-bound read of their KV); "chunk attention" is the (query, key) pairs of prefill chunks,
 n * start against earlier KV plus n * (n + 1) / 2 of their own (many queries share each read:
 compute-bound, quadratic, and the prefill path pads to power-of-two buckets). Keeping the two
-apart is what lets one model fit a CPU profile and an accelerator's roofline alike. The last
-two terms are for a runner that changes kernels with the step's rows (prefill tokens plus
-decode rows): on quantized weights, up to `wide_rows` rows the weight-only kernels cost more
-per row, past them each weight is dequantized for a dense matmul, a fixed cost a step pays
-once (measured on the default model's GGUF blocks, 2-core EPYC: 33 prefill tokens took 55
-ms, 32 took 79). The model is linear in these, fitted by least squares on relative error
+apart is what lets one model fit a CPU profile and an accelerator's roofline alike. The
+narrow/wide terms are for a runner that changes kernels with the step's rows (prefill tokens
+plus decode rows): on quantized weights, up to `wide_rows` rows the weight-only kernels cost
+more per row, past them each weight is dequantized for a dense matmul, a fixed cost a step
+pays once (measured on the default model's GGUF blocks, 2-core EPYC: 33 prefill tokens took
+55 ms, 32 took 79). The last two price a loaded step's several prefill chunks: each is its
+own padded attention call, and a chunk's pairs with itself cost more than those with earlier
+context (on the default model: 384 prompt tokens in one chunk 246 ms, in four 146 ms; a
+model without these terms over-predicted the four by 39% and under-predicted four 16-token
+chunks by 22%). The model is linear in these, fitted by least squares on relative error
 (`tandem profile`, or online from the steps the engine runs), and serialized as a small
 JSON file. The SLO scheduler asks it whether a batch keeps every running request inside its
 TPOT; the router and the simulator ask it how long a step takes. Pure Python, no torch.
@@ -28,9 +33,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 FEATURES = ("const", "prefill_tokens", "decode_rows", "kv_tokens", "chunk_kv", "narrow_rows",
-            "wide_step")  # fmt: skip
-Coef = tuple[float, float, float, float, float, float, float]
-PLAIN = 5  # the features every runner has; the rest only where kernels switch (wide_rows)
+            "wide_step", "prefill_rows", "chunk_own")  # fmt: skip
+Coef = tuple[float, ...]
+SWITCH = (5, 6)  # features only a runner whose kernels switch has (wide_rows)
+# Files saved before a feature was added name a prefix of FEATURES: the rest read as zeros.
+SAVED_FEATURES = (FEATURES[:5], FEATURES[:7], FEATURES)
 
 
 def chunk_kv(n: int) -> int:
@@ -44,11 +51,16 @@ class StepShape:
     decode_rows: int = 0  # rows computing one output token
     kv_tokens: int = 0  # context tokens decode rows read (KV earlier steps wrote)
     chunk_kv: int = 0  # attention pairs of prefill chunks: earlier context and their own
+    # Prefill chunks (each its own padded attention call: ~7 ms a chunk on the default model
+    # on this CPU, whatever its size) and their own pairs alone (causal within the chunk:
+    # padded to a bucket, dearer per pair than the earlier context's).
+    prefill_rows: int = 0
+    chunk_own: int = 0
 
     @classmethod
     def of(cls, scheduled: Iterable) -> StepShape:
         """The shape of a plan's `scheduled` rows (ScheduledRequest)."""
-        prefill = decode = kv = chunk = 0
+        prefill = decode = kv = chunk = rows = own = 0
         for s in scheduled:  # with_row's arithmetic, unrolled: the simulator's hottest loop
             start, n = s.start, s.num_new_tokens
             if n == 1 and start >= s.request.num_prompt_tokens:
@@ -56,22 +68,39 @@ class StepShape:
                 kv += start
             else:
                 prefill += n
-                chunk += n * start + n * (n + 1) // 2
-        return cls(prefill, decode, kv, chunk)
+                rows += 1
+                pairs = n * (n + 1) // 2
+                own += pairs
+                chunk += n * start + pairs
+        return cls(prefill, decode, kv, chunk, rows, own)
 
     def with_row(self, request, start: int, n: int) -> StepShape:
         if n == 1 and start >= request.num_prompt_tokens:
             return self.plus(decode_rows=1, kv_tokens=start)
-        return self.plus(prefill_tokens=n, chunk_kv=n * start + chunk_kv(n))
+        own = chunk_kv(n)
+        return self.plus(prefill_tokens=n, chunk_kv=n * start + own, prefill_rows=1, chunk_own=own)
+
+    @classmethod
+    def prompt(cls, n: int, decode_rows: int = 0) -> StepShape:
+        """A step computing an n-token prompt in one chunk beside `decode_rows` decodes."""
+        return cls(n, decode_rows, 0, chunk_kv(n), 1 if n else 0, chunk_kv(n))
 
     def plus(
-        self, prefill_tokens: int = 0, decode_rows: int = 0, kv_tokens: int = 0, chunk_kv: int = 0
+        self,
+        prefill_tokens: int = 0,
+        decode_rows: int = 0,
+        kv_tokens: int = 0,
+        chunk_kv: int = 0,
+        prefill_rows: int = 0,
+        chunk_own: int = 0,
     ) -> StepShape:
         return StepShape(
             self.prefill_tokens + prefill_tokens,
             self.decode_rows + decode_rows,
             self.kv_tokens + kv_tokens,
             self.chunk_kv + chunk_kv,
+            self.prefill_rows + prefill_rows,
+            self.chunk_own + chunk_own,
         )
 
     def features(self) -> tuple[float, ...]:
@@ -81,14 +110,15 @@ class StepShape:
 @dataclass(frozen=True)
 class CostModel:
     # seconds per step, prefill token, decode row, KV token, chunk KV entry, row up to
-    # `wide_rows`, step past them (five given: no kernel switch)
+    # `wide_rows`, step past them, prefill chunk, own pair of a chunk (fewer given: zeros)
     coef: Coef
     info: dict | None = None  # where it came from: hardware, model, fit error
     wide_rows: int | None = None  # rows where the runner switches kernels (None: it never does)
 
     def __post_init__(self) -> None:
-        if len(self.coef) == PLAIN:
-            object.__setattr__(self, "coef", (*self.coef,) + (0.0,) * (len(FEATURES) - PLAIN))
+        if len(self.coef) in {len(names) for names in SAVED_FEATURES}:
+            padding = (0.0,) * (len(FEATURES) - len(self.coef))
+            object.__setattr__(self, "coef", (*self.coef, *padding))
         if len(self.coef) != len(FEATURES):
             raise ValueError(f"cost model: expected {len(FEATURES)} coefficients, got {self.coef}")
 
@@ -117,7 +147,7 @@ class CostModel:
         if len(points) < 2:
             raise ValueError(f"cost model: need at least 2 measured steps, got {len(points)}")
         rows = [(_features(shape, wide_rows), seconds) for shape, seconds in points]
-        active = list(range(len(FEATURES) if wide_rows is not None else PLAIN))
+        active = [i for i in range(len(FEATURES)) if wide_rows is not None or i not in SWITCH]
         pull = None if anchor is None else (anchor.coef, anchor_points / len(points))
         while True:
             coef = _least_squares(rows, active, ridge, pull)
@@ -137,10 +167,10 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
-        """A saved model; one saved before the kernel-switch terms (five features) reads as one
-        without them."""
+        """A saved model; one saved before some features existed (SAVED_FEATURES) reads with
+        zeros for them."""
         names, coef = data.get("features"), data.get("coef", ())
-        known = (list(FEATURES), list(FEATURES[:PLAIN]))
+        known = [list(f) for f in SAVED_FEATURES]
         if names not in known or not isinstance(coef, list) or len(coef) != len(names):
             raise ValueError(f"cost model: expected coefficients for {list(FEATURES)}")
         wide = data.get("wide_rows")
@@ -209,10 +239,11 @@ class OnlineCostModel:
 
 def _features(shape: StepShape, wide_rows: int | None) -> tuple[float, ...]:
     """The values FEATURES names, for a runner whose kernels switch past wide_rows rows."""
+    chunks = (shape.prefill_rows, shape.chunk_own)
     if wide_rows is None:
-        return (*shape.features(), 0.0, 0.0)
+        return (*shape.features(), 0.0, 0.0, *chunks)
     rows = shape.prefill_tokens + shape.decode_rows
-    return (*shape.features(), min(rows, wide_rows), 1.0 if rows > wide_rows else 0.0)
+    return (*shape.features(), min(rows, wide_rows), 1.0 if rows > wide_rows else 0.0, *chunks)
 
 
 # A prior for a small model on a CPU, replaced as soon as real steps are timed.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import platform
 import random
+from dataclasses import replace
 
 from tandem.runner.profile import STATISTICS, ProfileGrid
 
@@ -48,14 +49,16 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args, args.model)
     core, loaded = build_engine(config)
     print(f"profiling {loaded.model_path.name} ({loaded.dtype} on {loaded.device})")
-    print(f"{'prefill':>8} {'decodes':>8} {'decode kv':>10} {'chunk pairs':>12} {'ms':>9}")
+    print(f"{'prefill':>8} {'chunks':>7} {'decodes':>8} {'decode kv':>10} {'chunk pairs':>12} "
+          f"{'ms':>9}")  # fmt: skip
     points = profile_steps(
         core,
         grid,
         loaded.model_config.vocab_size,
         args.repeats,
         lambda s, t: print(
-            f"{s.prefill_tokens:>8} {s.decode_rows:>8} {s.kv_tokens:>10} {s.chunk_kv:>12} "
+            f"{s.prefill_tokens:>8} {s.prefill_rows:>7} {s.decode_rows:>8} {s.kv_tokens:>10} "
+            f"{s.chunk_kv:>12} "
             f"{t * 1e3:>9.2f}"
         ),
         statistic=args.statistic,
@@ -83,17 +86,20 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"step = {c[0] * 1e3:.3f} ms + {c[1] * 1e6:.2f} us/prefill token + "
         f"{c[2] * 1e3:.3f} ms/decode row + {c[3] * 1e9:.2f} ns/decode KV token + "
-        f"{c[4] * 1e9:.2f} ns/prefill attention pair"
+        f"{c[4] * 1e9:.2f} ns/prefill attention pair + {c[7] * 1e3:.3f} ms/prefill chunk + "
+        f"{c[8] * 1e9:.2f} ns/pair within a chunk"
         + (
             f" + {c[5] * 1e3:.3f} ms/row up to {wide} rows + {c[6] * 1e3:.3f} ms past them"
             if wide is not None
             else ""
         )  # fmt: skip
     )
+    one_chunk = [[(replace(s, prefill_rows=0, chunk_own=0), t) for s, t in f] for f in folds]
     print(
         f"held-out mean absolute error: {held_out_error:.1%} "
-        f"({args.folds}-fold over {len(points)} points)"
-        + (f"; {_held_out_error(folds, None):.1%} without the kernel-switch terms" if wide else "")
+        f"({args.folds}-fold over {len(points)} points); "
+        f"{_held_out_error(one_chunk, wide):.1%} without the per-chunk terms"
+        + (f", {_held_out_error(folds, None):.1%} without the kernel-switch terms" if wide else "")
     )
     print(f"saved to {args.output}")
     return 0

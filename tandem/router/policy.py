@@ -179,7 +179,7 @@ class CostAware(PrefixAware):
         tree = self._tree(worker.id)
         cached = tree.match(request.text) * tree.chunk_chars // CHARS_PER_TOKEN
         tokens = max(1, request.tokens - cached) + worker.pending_prefill_tokens
-        shape = StepShape(prefill_tokens=tokens, decode_rows=worker.running)
+        shape = StepShape.prompt(tokens, worker.running)
         return self.cost_model.predict(shape) + worker.waiting * self.cost_model.predict(
             StepShape(decode_rows=max(1, worker.running))
         )

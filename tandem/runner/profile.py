@@ -1,7 +1,7 @@
 """Measure engine steps on this hardware over a grid of plan shapes, for the cost model.
 
-Each point is a real plan run by the real runner: one prefill chunk of P tokens (after C_p
-tokens of context) beside D decode rows at context C_d. The KV the rows read is whatever the
+Each point is a real plan run by the real runner: P prefill tokens in K chunks (of different
+requests, each after C_p tokens of context) beside D decode rows at context C_d. The KV the rows read is whatever the
 pool holds (timing does not depend on it); blocks come from the engine's own KV manager and
 go back after each point.
 """
@@ -22,16 +22,20 @@ from tandem.core.scheduler import ScheduledRequest, SchedulerOutput
 @dataclass(frozen=True)
 class ProfileGrid:
     prefill_tokens: tuple[int, ...] = (0, 32, 128, 256, 512)
+    prefill_chunks: tuple[int, ...] = (1, 4)  # the prefill tokens split over this many requests
     prefill_context: tuple[int, ...] = (0, 512)
     decode_rows: tuple[int, ...] = (0, 1, 8, 32)
     decode_context: tuple[int, ...] = (64, 512)
 
     def points(self):
-        for p, cp, d, cd in itertools.product(
-            self.prefill_tokens, self.prefill_context, self.decode_rows, self.decode_context
-        ):
-            if (p or d) and not (p == 0 and cp) and not (d == 0 and cd != self.decode_context[0]):
-                yield p, cp, d, cd
+        """(P, K, C_p, D, C_d) of every distinct step the grid describes."""
+        for p, k, cp, d, cd in itertools.product(
+            self.prefill_tokens, self.prefill_chunks, self.prefill_context, self.decode_rows,
+            self.decode_context,
+        ):  # fmt: skip
+            no_prefill = p == 0 and not cp and k == self.prefill_chunks[0]
+            if (no_prefill or p >= k > 0) and (d or p) and (d or cd == self.decode_context[0]):
+                yield p, k, cp, d, cd
 
 
 STATISTICS = ("min", "median")
@@ -47,12 +51,12 @@ def profile_steps(core, grid: ProfileGrid, vocab_size: int, repeats: int = 3, on
     kv, limit = core.scheduler.kv, core.scheduler.config.max_model_len
     ids = itertools.count()
     results = []
-    for p, cp, d, cd in grid.points():
+    for p, k, cp, d, cd in grid.points():
         if cp + p >= limit or cd + 1 >= limit:
             continue
         rows = [_decode_row(next(ids), cd, vocab_size) for _ in range(d)]
         if p:
-            rows.append(_prefill_row(next(ids), cp, p, vocab_size))
+            rows += [_prefill_row(next(ids), cp, p // k, vocab_size) for _ in range(k)]
         if not all(kv.allocate_slots(s.request, s.start + s.num_new_tokens) for s in rows):
             for s in rows:
                 kv.free(s.request)

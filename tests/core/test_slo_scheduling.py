@@ -10,7 +10,8 @@ import pytest
 
 from tandem.core.cost_model import FEATURES, CostModel, OnlineCostModel, StepShape
 from tandem.core.policy import FCFSBatch, PriorityBatch
-from tandem.core.request import RequestStatus
+from tandem.core.request import Request, RequestStatus
+from tandem.core.sampling_params import SamplingParams
 from tandem.core.slo import SLOClass
 from tandem.core.slo_policy import SLOBatch, SLOPolicyConfig
 from tests.core.harness import EOS, Harness
@@ -85,6 +86,32 @@ def test_fit_recovers_a_kernel_switch_at_a_known_row_count():
     )
 
 
+def test_fit_recovers_a_cost_per_prefill_chunk_and_per_pair_within_one():
+    # 7 ms a chunk, and a chunk's own pairs dearer than those with earlier context
+    true = CostModel((0.004, 0.0003, 0.0015, 2e-6, 4e-7, 0, 0, 0.007, 6e-7))
+    prompt = Request("p", _p(1024), SamplingParams())  # its chunks are prefill rows
+    rng = random.Random(0)
+    points = []
+    for _ in range(300):
+        shape = StepShape(decode_rows=rng.randrange(0, 24))
+        shape = shape.plus(kv_tokens=shape.decode_rows * rng.randrange(0, 1024))
+        for _ in range(rng.choice([0, 1, 1, 2, 4])):
+            shape = shape.with_row(prompt, rng.choice([0, 256]), rng.randrange(8, 256))
+        if shape.prefill_tokens + shape.decode_rows:
+            points.append((shape, true.predict(shape) * (1 + rng.uniform(-0.01, 0.01))))
+    fitted = CostModel.fit(points)
+    for got, want in zip(fitted.coef, true.coef):
+        assert got == pytest.approx(want, rel=0.1, abs=1e-7)
+    # the same tokens in four chunks: four chunk costs, a quarter of the own pairs
+    one, four = StepShape.prompt(256), StepShape()
+    for _ in range(4):
+        four = four.with_row(prompt, 0, 64)
+    assert four.prefill_tokens == one.prefill_tokens and four.prefill_rows == 4
+    assert true.predict(four) - true.predict(one) == pytest.approx(
+        3 * 0.007 - (one.chunk_own - four.chunk_own) * (4e-7 + 6e-7)
+    )
+
+
 def test_fit_never_returns_a_negative_cost():
     points = [(StepShape(n, 0, 0), 0.01) for n in (0, 100, 200)]  # prefill costs nothing
     assert all(c >= 0 for c in CostModel.fit(points).coef)
@@ -101,6 +128,11 @@ def test_cost_model_round_trips_through_a_file(tmp_path):
     old = {"features": list(FEATURES[:5]), "coef": [0.01, 0.001, 0.002, 1e-6, 2e-6]}
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert CostModel.load(tmp_path / "old.json") == CostModel(tuple(old["coef"]))
+    # one from before the chunk terms: seven features, read with no cost per chunk
+    seven = {"features": list(FEATURES[:7]), "coef": [0.01, 0.001, 0.002, 1e-6, 2e-6, 0.003, 0.02],
+             "wide_rows": 32}  # fmt: skip
+    (tmp_path / "seven.json").write_text(json.dumps(seven))
+    assert CostModel.load(tmp_path / "seven.json").coef == (*seven["coef"], 0.0, 0.0)
     (tmp_path / "bad.json").write_text('{"coef": [1]}')
     with pytest.raises(ValueError, match="cost_model"):
         CostModel.load(tmp_path / "bad.json")
@@ -142,11 +174,18 @@ def test_plan_shape_counts_prefill_tokens_decode_rows_and_context():
     h = _harness("fcfs")
     a = h.add(_p(10), max_tokens=3)
     plan, _ = h.step()
-    assert StepShape.of(plan.scheduled) == StepShape(10, 0, 0, 55)  # token i reads i + 1 entries
+    # token i reads i + 1 entries; one chunk, all of its pairs its own
+    assert StepShape.of(plan.scheduled) == StepShape(10, 0, 0, 55, 1, 55)
     b = h.add(_p(6), max_tokens=3)
     plan, _ = h.step()
     assert {s.request for s in plan.scheduled} == {a, b}
-    assert StepShape.of(plan.scheduled) == StepShape(6, 1, 10, 21)  # a's decode reads 10
+    assert StepShape.of(plan.scheduled) == StepShape(6, 1, 10, 21, 1, 21)  # a's decode reads 10
+    c = h.add(_p(4), max_tokens=3)
+    d = h.add(_p(3), max_tokens=3)
+    plan, _ = h.step()
+    assert {s.request for s in plan.scheduled} == {a, b, c, d}
+    # two decodes (a at 11, b at 6), two chunks: 4 + 3 tokens, 10 + 6 pairs, all their own
+    assert StepShape.of(plan.scheduled) == StepShape(7, 2, 17, 16, 2, 16)
 
 
 # ---- priority -----------------------------------------------------------------------

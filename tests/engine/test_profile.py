@@ -23,14 +23,14 @@ def test_profile_fits_and_saves_a_cost_model(llama_path, tmp_path, capsys):
 
 def test_profile_times_the_grid_it_is_given_with_the_statistic_asked_for(llama_path, tmp_path):
     out = tmp_path / "cost.json"
-    grid = ["--prefill-tokens", "0,16,48", "--prefill-context", "0", "--decode-rows", "0,1,3",
-            "--decode-context", "16"]  # fmt: skip
+    grid = ["--prefill-tokens", "0,16,48", "--prefill-chunks", "1,2", "--prefill-context", "0",
+            "--decode-rows", "0,1,3", "--decode-context", "16"]  # fmt: skip
     rc = main(["profile", str(llama_path), "-o", str(out), "--repeats", "2", "--dtype",
                "float32", "--kv-cache-memory", "0.05", "--statistic", "median", *grid])  # fmt: skip
     assert rc == 0
     info = CostModel.load(out).info
-    # (0 prefill: 1 or 3 decodes) + (16 or 48 prefill: 0, 1 or 3 decodes)
-    assert info["points"] == 2 + 2 * 3 and info["statistic"] == "median"
+    # (0 prefill: 1 or 3 decodes) + (16 or 48 prefill in 1 or 2 chunks: 0, 1 or 3 decodes)
+    assert info["points"] == 2 + 2 * 2 * 3 and info["statistic"] == "median"
 
 
 def test_profile_refuses_a_grid_that_is_not_a_list_of_counts(llama_path, tmp_path, capsys):
