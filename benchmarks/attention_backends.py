@@ -17,7 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from tandem.model import kernels
-from tandem.model.attention import attention_fn, grouped_attention, sdpa_attention
+from tandem.model.attention import (
+    _grouped_attention,
+    attention_fn,
+    grouped_attention,
+    sdpa_attention,
+)
 
 H, KVH, D, BS, NBLOCKS = 9, 3, 64, 16, 4096
 
@@ -66,8 +71,12 @@ def cases(b, q, ctx, dtype):
         k, v = kc[bt].view(b, ctx, KVH, D), vc[bt].view(b, ctx, KVH, D)
         return grouped_attention(qt, k, v, mask, scale)
 
+    def all_rows_at_once():  # before QUERY_BLOCK
+        return _grouped_attention(qt, gather(kc), gather(vc), mask, scale)
+
     fns = {
         "index_select + grouped matmul": tandem,
+        "  the same, all query rows at once": all_rows_at_once,
         "index_select + sdpa enable_gqa": sdpa,
         "cache[block_tables] + grouped matmul": advanced_index_gather,
     }
@@ -78,9 +87,10 @@ def cases(b, q, ctx, dtype):
             qt[:, 0], kc, vc, bt, lens, scale
         )[:, None]
     ref = tandem().float()
+    tolerance = 1e-2 if dtype == torch.float32 else 5e-2  # bf16: an ulp at 2-4 is 0.016
     for name, fn in fns.items():
         err = (fn().float() - ref).abs().max().item()
-        assert err < 1e-2, f"{name} disagrees by {err}"
+        assert err < tolerance, f"{name} disagrees by {err}"
     return fns
 
 
@@ -99,6 +109,7 @@ def main():
         ("decode", 32, 1, 256),
         ("decode", 64, 1, 512),
         ("prefill", 1, 512, 512),
+        ("prefill", 1, 512, 1024),
         ("prefill", 1, 512, 2048),
     ):
         fns = cases(b, q, ctx, dtype)
