@@ -8,7 +8,8 @@ each instance's running and waiting counts and KV usage, as the router reads the
 /metrics) and added, raising an idle instance's clock to the arrival; a step runs through
 `EngineCore.step()` and its tokens are stamped with the instance's clock after it. A request
 that arrives during a step waits for the next, as in the real engine. Deterministic: no wall
-clock, no threads, seeded workloads.
+clock, no threads, seeded workloads. A colocated cluster runs the same steps in the same
+order per instance through `shards.py` (`advance` up to each arrival), on a process per core.
 
 Disaggregated clusters run the proxy's three-stage handoff on the same objects: a decode
 instance reserves (`EngineCore.reserve`: its radix cache says how much of the prompt it
