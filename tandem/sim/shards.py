@@ -85,6 +85,8 @@ def _sync(sim: Simulation, workers, adds: list[list], until: float) -> None:
 def _serve(sim: Simulation, shard: int, k: int, conn) -> None:
     """A shard's process: add what it is sent, step to the time it is sent, report."""
     mine = [i for i in sim.instances if i.index % k == shard]
+    for inst in mine:
+        inst.remote = False  # here they are stepped, and observed as the router would
     try:
         while (message := conn.recv()) is not None:
             arrivals, until = message
@@ -92,8 +94,7 @@ def _serve(sim: Simulation, shard: int, k: int, conn) -> None:
                 sim.records[rid] = Record(req, sim.instances[index].name)
             _add(sim, arrivals)
             sim.advance(until)
-            states = [(i.index, *_state(i)) for i in mine]
-            conn.send(("ok", states))
+            conn.send(("ok", [_report(i) for i in mine]))
         check_drained(mine)
         conn.send(("ok", _results(sim, mine)))
     except BaseException:
@@ -102,14 +103,15 @@ def _serve(sim: Simulation, shard: int, k: int, conn) -> None:
         conn.close()
 
 
+def _report(inst: Instance) -> tuple[int, int, int, float]:
+    """What the router reads of an instance (index, running, waiting, KV usage)."""
+    state = inst.observe()
+    return inst.index, state.running, state.waiting, state.kv_usage
+
+
 def _add(sim: Simulation, arrivals: list) -> None:
     for index, req, rid in arrivals:
         sim.add_arrival(sim.instances[index], req, rid)
-
-
-def _state(inst: Instance) -> tuple[int, int, float]:
-    s = inst.core.scheduler
-    return s.num_running, s.num_waiting, s.kv.usage
 
 
 def _results(sim: Simulation, mine: list[Instance]) -> dict:

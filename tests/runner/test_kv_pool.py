@@ -3,6 +3,7 @@ advice made first writes stall in the kernel's memory compaction)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tandem.runner.model_runner import zeroed_pool
@@ -46,7 +47,5 @@ def test_the_pool_is_not_advised_for_huge_pages():
     assert "hg" not in _mapping_flags(middle)  # MADV_HUGEPAGE shows as "hg"
     # numpy's zeros, which the pool used to be, are advised so (all but the first page): the
     # check can tell
-    import numpy as np
-
     advised = np.zeros(32 * MB, dtype=np.uint8)
     assert "hg" in _mapping_flags(advised.ctypes.data + 16 * MB)
