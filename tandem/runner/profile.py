@@ -45,39 +45,55 @@ def profile_steps(core, grid: ProfileGrid, vocab_size: int, repeats: int = 3, on
                   statistic: str = "min"):  # fmt: skip
     """[(shape, seconds)] for every grid point that fits the pool and max_model_len. Each
     point's seconds are the fastest of its timed runs ("min": the clean cost, since on a
-    shared machine noise only adds time) or their median (what a run of many steps meets)."""
+    shared machine noise only adds time) or their median (what a run of many steps meets).
+
+    The grid is timed in passes, each running every point once, so a point's runs are spread
+    over the whole profile: noise on a shared machine comes in bursts of seconds, and timing a
+    point's runs back to back let one burst inflate all of them (two profiles minutes apart
+    differed by up to 2x on single points when they were)."""
     if statistic not in STATISTICS:
         raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
-    kv, limit = core.scheduler.kv, core.scheduler.config.max_model_len
+    limit = core.scheduler.config.max_model_len
     ids = itertools.count()
-    results = []
-    for p, k, cp, d, cd in grid.points():
-        if cp + p >= limit or cd + 1 >= limit:
-            continue
+    shapes = {}  # each point's StepShape
+
+    def run(point) -> float | None:
+        """Seconds of one step of the point's plan; None when the pool cannot hold it."""
+        p, k, cp, d, cd = point
         rows = [_decode_row(next(ids), cd, vocab_size) for _ in range(d)]
         if p:
             rows += [_prefill_row(next(ids), cp, p // k, vocab_size) for _ in range(k)]
-        if not all(kv.allocate_slots(s.request, s.start + s.num_new_tokens) for s in rows):
-            for s in rows:
-                kv.free(s.request)
-            continue
-        plan = SchedulerOutput(scheduled=rows)
-        core.runner.execute(plan)  # warm-up
-        seconds = []
-        # The fastest run counts (on a shared machine noise only adds time); keep going, up
-        # to 3x the repeats, until the two fastest agree within 3%.
-        while len(seconds) < repeats or (
-            len(seconds) < 3 * repeats and sorted(seconds)[1] > 1.03 * min(seconds)
-        ):
+        shapes[point] = StepShape.of(rows)
+        kv = core.scheduler.kv
+        try:
+            if not all(kv.allocate_slots(s.request, s.start + s.num_new_tokens) for s in rows):
+                return None
+            plan = SchedulerOutput(scheduled=rows)
             t0 = time.perf_counter()
             core.runner.execute(plan)
-            seconds.append(time.perf_counter() - t0)
-        for s in rows:
-            kv.free(s.request)
-        point = (StepShape.of(rows), min(seconds) if statistic == "min" else median(seconds))
-        results.append(point)
+            return time.perf_counter() - t0
+        finally:
+            for s in rows:
+                kv.free(s.request)
+
+    points = [(p, k, cp, d, cd) for p, k, cp, d, cd in grid.points()
+              if cp + p < limit and cd + 1 < limit]  # fmt: skip
+    points = [point for point in points if run(point) is not None]  # the warm-up pass
+    seconds = {point: [] for point in points}
+    for _ in range(repeats):
+        for point in points:
+            seconds[point].append(run(point))
+    # Up to 3x the repeats, more passes over the points whose two fastest runs differ by 3%.
+    for _ in range(2 * repeats):
+        unsettled = [pt for pt in points if sorted(seconds[pt])[1] > 1.03 * min(seconds[pt])]
+        for point in unsettled:
+            seconds[point].append(run(point))
+    results = []
+    for point in points:
+        times = seconds[point]
+        results.append((shapes[point], min(times) if statistic == "min" else median(times)))
         if on_point is not None:
-            on_point(*point)
+            on_point(*results[-1])
     return results
 
 

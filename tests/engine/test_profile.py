@@ -37,3 +37,24 @@ def test_profile_refuses_a_grid_that_is_not_a_list_of_counts(llama_path, tmp_pat
     rc = main(["profile", str(llama_path), "-o", str(tmp_path / "c.json"), "--decode-rows", "1,x"])
     assert rc == 2 and "decode_rows" in capsys.readouterr().err
     assert not (tmp_path / "c.json").exists()
+
+
+def test_profile_times_the_grid_in_passes_so_noise_cannot_inflate_all_runs_of_one_point(
+    llama_path,
+):
+    from tandem.engine.builder import build_engine
+    from tandem.engine.config import EngineConfig
+    from tandem.runner.profile import ProfileGrid, profile_steps
+
+    config = EngineConfig(model=str(llama_path), dtype="float32", kv_cache_memory=0.05)
+    core, loaded = build_engine(config)
+    order, execute = [], core.runner.execute
+    core.runner.execute = lambda plan: (order.append(StepShape.of(plan.scheduled)), execute(plan))[1]  # fmt: skip
+    grid = ProfileGrid(prefill_tokens=(0, 16), prefill_chunks=(1,), prefill_context=(0,),
+                       decode_rows=(1, 2), decode_context=(16,))  # fmt: skip
+    points = profile_steps(core, grid, loaded.model_config.vocab_size, repeats=2)
+    shapes = [s for s, _ in points]
+    assert len(shapes) == 4 and len(set(shapes)) == 4  # 0 or 16 prefill tokens, 1 or 2 decodes
+    assert order[: 3 * len(shapes)] == shapes * 3  # a warm-up pass, then one pass per repeat
+    assert all(3 <= order.count(s) <= 1 + 3 * 2 for s in shapes)  # more runs only if unsettled
+    assert core.scheduler.kv.num_free_blocks == core.scheduler.kv.num_usable_blocks
