@@ -69,6 +69,35 @@ def read_conversations(path: str | Path) -> list[dict]:
     return list(iter_entries(raw))
 
 
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant"}
+
+
+def chat_token_ids(tokenizer, total: int, longest: int, path: str | Path | None = None):
+    """Token ids of the file's first conversations in the tokenizer's chat template, each cut
+    to `longest`, `total` in all: real text to score (benchmarks/kv_perplexity.py). Reads only
+    as much of the file as it needs."""
+    docs, count, size = [], 0, 1 << 20
+    with open(path or default_path(), "rb") as f:
+        while True:
+            head = f.read(size)  # the entries of a prefix: iter_entries drops a cut-off tail
+            for entry in iter_entries(head.decode("utf-8", errors="replace")):
+                turns = [{"role": ROLES[t["from"]], "content": t["value"]}
+                         for t in entry.get("conversations") or []
+                         if t.get("from") in ROLES and t.get("value")]  # fmt: skip
+                if len(turns) < 2:
+                    continue
+                text = tokenizer.apply_chat_template(turns, tokenize=False)
+                ids = tokenizer.encode(text, add_special_tokens=False)[:longest]
+                docs.append(ids[: total - count])
+                count += len(docs[-1])
+                if count >= total:
+                    return docs
+            if len(head) < size:
+                raise ValueError(f"dataset: the file holds only {count} tokens of conversations")
+            f.seek(0)
+            docs, count, size = [], 0, size * 4
+
+
 def is_valid(prompt_len: int, output_len: int, fixed_output: bool = False) -> bool:
     """vLLM's is_valid_sequence with its defaults (4, 1024, 2048)."""
     return not (
