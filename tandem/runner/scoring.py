@@ -24,8 +24,10 @@ from tandem.runner.input_batch import prepare_inputs
 def token_logprobs(core, tokens: list[int], chunk: int = 256) -> list[float]:
     """logprob of tokens[i + 1] after tokens[: i + 1], for every i, in `chunk`-token steps.
     `core` is an idle EngineCore: its KV manager lends the blocks and gets them back."""
-    if len(tokens) < 2 or chunk < 1:
-        raise ValueError("tokens: need at least 2 tokens, and chunk >= 1")
+    if len(tokens) < 2:
+        raise ValueError(f"tokens: need at least 2 to score, got {len(tokens)}")
+    if chunk < 1:
+        raise ValueError(f"chunk: must be >= 1, got {chunk}")
     runner, kv = core.runner, core.scheduler.kv
     request = Request("score", list(tokens), SamplingParams(max_tokens=1))
     if not kv.allocate_slots(request, len(tokens), publish=False):

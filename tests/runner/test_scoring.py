@@ -42,8 +42,10 @@ def test_a_text_the_cache_cannot_hold_is_refused(llm):
     too_long = [5] * (kv.num_usable_blocks * kv.block_size + 1)
     with pytest.raises(ValueError, match="do not fit the KV cache"):
         token_logprobs(llm.engine, too_long)
-    with pytest.raises(ValueError, match="at least 2 tokens"):
+    with pytest.raises(ValueError, match="tokens: need at least 2"):
         token_logprobs(llm.engine, [5])
+    with pytest.raises(ValueError, match="chunk: must be >= 1"):
+        token_logprobs(llm.engine, [5, 6], chunk=0)
 
 
 def test_perplexity_is_the_exponent_of_the_mean_negative_logprob():
