@@ -26,6 +26,7 @@ import httpx
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
 )
@@ -79,6 +80,12 @@ class _Metrics:
             ["served"],
             registry=self.registry,
         )
+        self.healthy = Gauge(
+            "tandem:pd_instances_healthy",
+            "Instances the prober last saw healthy, by role (prefill, decode)",
+            ["role"],
+            registry=self.registry,
+        )
         self.retries = Counter(
             "tandem:pd_instance_failures",
             "Instances skipped at a stage (unreachable, refused or timed out)",
@@ -109,6 +116,8 @@ class Proxy:
                                       probe_interval)  # fmt: skip
         self.prefill_pool = WorkerPool(list(config.prefill), LeastLoad(), self.client,
                                        probe_interval)  # fmt: skip
+        for role, pool in (("prefill", self.prefill_pool), ("decode", self.decode_pool)):
+            self.metrics.healthy.labels(role).set_function(lambda pool=pool: len(pool.healthy()))
 
     def start(self) -> None:
         self.decode_pool.start()

@@ -6,6 +6,7 @@ first needs them."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -22,12 +23,27 @@ class ProxyProcess(FrontEnd):
                           "--decode", *[s.url for s in decode], *args], log_dir, name)  # fmt: skip
 
     def wait_ready(self, timeout: float = 180.0) -> ProxyProcess:
+        """Every instance up, and the proxy's prober seeing each of them healthy: the proxy
+        answers /health once a decode instance is, and a request sent before its prober
+        readmits the prefill instances (probed while still starting) would run colocated."""
         for s in (*self.prefill, *self.decode):
             s.wait_ready(timeout)
-        return super().wait_ready(timeout)
+        super().wait_ready(timeout)
+        deadline = time.monotonic() + timeout
+        want = {"prefill": len(self.prefill), "decode": len(self.decode)}
+        while (seen := self.healthy_instances()) != want:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"proxy sees {seen} healthy instances, not {want}")
+            time.sleep(0.2)
+        return self
 
     def metrics(self) -> dict[str, float]:
         return metrics(self.url, "served")
+
+    def healthy_instances(self) -> dict[str, float | None]:
+        """role -> instances the proxy's prober sees healthy."""
+        seen = metrics(self.url, "role")
+        return {r: seen.get(f"tandem:pd_instances_healthy:{r}") for r in ("prefill", "decode")}
 
 
 BF16_8 = ["--dtype", "bfloat16", "--block-size", "8"]

@@ -278,6 +278,11 @@ def test_kill_9_of_the_prefill_instance_mid_request_falls_back_and_completes(dep
     assert _choices(_complete(proxy.url, _greedy(TOKEN_PROMPT_SHORT))) == _choices(
         _complete(ref.url, _greedy(TOKEN_PROMPT_SHORT))
     )
+    # and the prober reports it gone, the decode instance still there
+    deadline = time.monotonic() + 10
+    while proxy.healthy_instances()["prefill"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proxy.healthy_instances() == {"prefill": 0, "decode": 1}
 
 
 def test_kill_9_of_the_decode_instance_mid_stream_ends_the_client_stream_promptly(deployments):
