@@ -1,6 +1,6 @@
 """The default model's matmuls per decode step (30 layers' projections, then the output
 head), with each layer's own weights so they stream from memory as in a real step: bf16
-F.linear, float32 oneDNN (tandem's float32 path), and the quantized layers' two paths:
+F.linear, bf16 and float32 oneDNN on weights prepacked at load (tandem's float paths), and the quantized layers' two paths:
 torch's int4 / int8 kernels and dequantize-then-bf16-matmul (`dense`). Prints ms per step
 and each path's speed-up over bf16; QuantizedLinear.KERNEL_MAX_ROWS is where the int4
 kernel stops winning.
@@ -32,6 +32,9 @@ def build():
     weights = [torch.randn(o, i) * 0.02 for i, o in shapes]
     return {
         "bf16": [w.bfloat16() for w in weights],
+        "bf16 oneDNN": [
+            torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in weights
+        ],
         "fp32 oneDNN": [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights],
         "int4": [
             Int4Linear(w.shape[1], w.shape[0], [int4_term(*quantize_int4(w, 32))], "int4")
@@ -45,6 +48,7 @@ def runners(layers):
     F = torch.nn.functional
     return {
         "bf16": lambda x, w: F.linear(x, w),
+        "bf16 oneDNN": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
         "fp32 oneDNN": lambda x, w: torch.ops.mkldnn._linear_pointwise(
             x.float(), w, None, "none", [], ""
         ),  # fmt: skip
@@ -85,7 +89,7 @@ def main():
         return
     args.batches = args.batches or "1,4,16,32,64,256"
     layers = build()
-    store = {"bf16": "bf16", "fp32 oneDNN": "fp32 oneDNN", "int4 kernel": "int4", "int4 dense": "int4", "int8 kernel": "int8", "int8 dense": "int8"}  # fmt: skip
+    store = {"bf16": "bf16", "bf16 oneDNN": "bf16 oneDNN", "fp32 oneDNN": "fp32 oneDNN", "int4 kernel": "int4", "int4 dense": "int4", "int8 kernel": "int8", "int8 dense": "int8"}  # fmt: skip
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms per step (layers + head)"
     )

@@ -17,11 +17,18 @@ error. In engine mode the same requests are also simulated with a cost model fit
 steps the real run ran (`engine-own`): this host's speed drifts by tens of percent from one
 minute to the next, and near saturation queueing turns that into larger latency errors; the
 second figure separates what the simulator gets wrong from what the host did.
+
+Each step's simulated time is drawn from the spread of the profile's single runs (its
+step_noise; the `fixed` rows take the fitted time exactly). Served and 1p1d first time
+CALIBRATION requests one at a time: what they take beyond their simulated steps (HTTP,
+tokenization, the proxy's hops and the decode side's KV import) is the fixed cost the
+simulated front group gets as latency_ms.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -38,6 +45,7 @@ BLOCKS, BLOCK = 2048, 16  # the KV pool both the servers and the simulated insta
 BATCHED = 2048  # max_num_batched_tokens (the server default)
 KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")
 STATISTIC = "median"  # of a profile point's repeats: what a run of many steps meets
+CALIBRATION, CALIBRATION_POINT = 8, 100  # requests timed one at a time, and their seed offset
 
 
 GRID = [
@@ -78,12 +86,14 @@ def bracketed(before, after, path: Path) -> tuple[Path, float]:
     drift = sum(abs(after.predict(s) / before.predict(s) - 1) for s in shapes) / len(shapes)
     mean = CostModel(tuple((a + b) / 2 for a, b in zip(before.coef, after.coef)),
                      {"source": "mean of the profiles before and after the runs", "drift": drift},
-                     before.wide_rows)  # fmt: skip
+                     before.wide_rows,
+                     tuple((a + b) / 2 for a, b in zip(before.noise, after.noise)))  # fmt: skip
     mean.save(path)
     return path, drift
 
 
-def bench(url: str, out: Path, name: str, args, rate: float, point: int, cores=None) -> dict:
+def bench(url: str, out: Path, name: str, args, rate: float, point: int, cores=None,
+          extra=()) -> dict:  # fmt: skip
     cmd = ["taskset", "-c", cores] if cores else []
     cmd += [sys.executable, "-m", "tandem.cli", "bench", "serve", "--base-url", url,
            "--ignore-eos", "--disable-tqdm", "--save-result", "--result-dir", str(out),
@@ -91,18 +101,31 @@ def bench(url: str, out: Path, name: str, args, rate: float, point: int, cores=N
            "--dataset-name", "random", "--num-prompts", str(args.num_prompts),
            "--random-input-len", str(args.input_len), "--random-output-len",
            str(args.output_len), "--random-range-ratio", str(args.range_ratio),
-           "--seed", str(args.seed + point)]  # fmt: skip
+           "--seed", str(args.seed + point), *extra]  # fmt: skip
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return json.loads((out / f"{name}.json").read_text())
 
 
-def sim_requests(args, rate: float, point: int):
-    """The bench's requests for this rate, as the simulator takes them."""
+def calibrate(url: str, out: Path, mode: str, args, cores, point: int) -> tuple[dict, list]:
+    """CALIBRATION requests one at a time (no queueing), on a seed no point uses: the real
+    TTFTs, and the requests to simulate them with (spaced so none overlaps another). What the
+    real ones take beyond their simulated prefill is the fixed cost outside the engine's
+    steps (HTTP, tokenization, the proxy's hops), the simulated group's latency_ms."""
+    real = bench(url, out, f"{mode}-calibration", args, float("inf"), point, cores,
+                 ["--max-concurrency", "1", "--num-prompts", str(CALIBRATION)])  # fmt: skip
+    requests = sim_requests(args, 1.0, point, CALIBRATION)
+    spaced = [dataclasses.replace(r, arrival=60.0 * i) for i, r in enumerate(requests)]
+    return real, spaced
+
+
+def sim_requests(args, rate: float, point: int, n: int | None = None):
+    """The bench's requests for this rate (n of them, else --num-prompts), as the simulator
+    takes them."""
     from tandem.bench.serve import build_workload, load_tokenizer
     from tandem.sim.workload import from_bench
 
     _, tokenizer = load_tokenizer(None)
-    ns = argparse.Namespace(dataset_name="random", num_prompts=args.num_prompts,
+    ns = argparse.Namespace(dataset_name="random", num_prompts=n or args.num_prompts,
                             random_input_len=args.input_len, random_output_len=args.output_len,
                             random_range_ratio=args.range_ratio)  # fmt: skip
     sessions = build_workload(ns, tokenizer, [], args.seed + point)
@@ -137,15 +160,15 @@ def replay_engine(args, rates: list[float]) -> tuple[list[dict], list[list], int
 
 def own_steps(steps, wide_rows, path: Path, profiled: Path) -> Path:
     """A cost model fitted on the steps a real run ran (what the profile would be had the host
-    held one speed), and how much slower than the profile those steps were."""
-    from tandem.core.cost_model import CostModel
+    held one speed), their spread about it, and how much slower than the profile they were."""
+    from tandem.core.cost_model import CostModel, noise_quantiles
 
     model = CostModel.load(profiled)
     slower = sum(t for _, t in steps) / sum(model.predict(s) for s, _ in steps) - 1
     own = CostModel.fit(steps, wide_rows)
-    CostModel(own.coef, {"source": "the run's own steps", "vs_profile": slower}, wide_rows).save(
-        path
-    )
+    noise = noise_quantiles([[t] for _, t in steps], [own.predict(s) for s, _ in steps])
+    info = {"source": "the run's own steps", "vs_profile": slower}
+    CostModel(own.coef, info, wide_rows, noise).save(path)
     print(f"{len(steps)} steps ran {slower:+.0%} against the profile's prediction", flush=True)
     return path
 
@@ -185,14 +208,15 @@ def main() -> None:
               "--disable-uvicorn-access-log"]  # fmt: skip
     group = {"kv_tokens": BLOCKS * BLOCK}
 
-    def cluster(mode: str, cost: Path) -> dict:
-        groups = [group | {"name": "local", "cost_model": str(cost)}]
-        links = []
+    def cluster(mode: str, cost: Path, latency_ms: float = 0.0, noise: bool = True) -> dict:
+        front = group | {"cost_model": str(cost), "latency_ms": latency_ms, "step_noise": noise}
+        groups, links = [front | {"name": "local"}], []
         if mode == "1p1d":
             groups = [
-                group | {"name": "p", "role": "prefill", "cost_model": str(cost)},
-                group | {"name": "d", "role": "decode", "cost_model": str(cost)},
-            ]
+                group | {"name": "p", "role": "prefill", "cost_model": str(cost),
+                         "step_noise": noise},
+                front | {"name": "d", "role": "decode"},
+            ]  # fmt: skip
             links = [{"from": "p", "to": "d", "bandwidth_gbs": args.link_gbs, "latency_ms": 0.2}]
         return {"model": "smollm2-135m", "groups": groups, "links": links,
                 "engine": {"max_num_batched_tokens": BATCHED, "block_size": BLOCK}}  # fmt: skip
@@ -202,7 +226,7 @@ def main() -> None:
         server.cmd = ["taskset", "-c", core, *server.cmd]
         return server
 
-    rows, drifts = [], {}
+    rows, drifts, latencies = [], {}, {}
     for mode in modes:
         before = profile(profiles / f"{mode}-before.json", *how[mode])
         if mode == "engine":  # the real EngineCore in this process, no HTTP
@@ -227,6 +251,9 @@ def main() -> None:
                 for s in servers:
                     s.wait_ready(600)
                 client = "0" if mode == "served" else None
+                for n in (1, 0):  # the first warms the servers up (its own prompts: no cache hit)
+                    calibration = calibrate(servers[-1].base_url, out, mode, args, client,
+                                            CALIBRATION_POINT + n)  # fmt: skip
                 for i, rate in enumerate(rates):  # a new seed each: nothing cached from before
                     reals.append(bench(servers[-1].base_url, out, f"{mode}-{rate:g}", args, rate,
                                        i, client))  # fmt: skip
@@ -235,19 +262,30 @@ def main() -> None:
                     s.stop()
         after = profile(profiles / f"{mode}-after.json", *how[mode])
         cost, drifts[mode] = bracketed(before, after, profiles / f"{mode}.json")
+        latency = latencies[mode] = 0.0
+        if mode != "engine":  # what the calibration requests took beyond their simulated steps
+            real, spaced = calibration
+            sim = simulate(cluster(mode, cost, noise=False), ROOT, spaced)
+            latency = latencies[mode] = max(0.0, real["mean_ttft_ms"] - sim["mean_ttft_ms"])
+            print(f"{mode}: {latency:.0f} ms a request outside the engine's steps "
+                  f"({real['mean_ttft_ms']:.0f} ms real TTFT one at a time, "
+                  f"{sim['mean_ttft_ms']:.0f} simulated)", flush=True)  # fmt: skip
         for i, (rate, real) in enumerate(zip(rates, reals)):
-            sim = simulate(cluster(mode, cost), ROOT, sim_requests(args, rate, i))
-            rows.append((mode, rate, {k: real[k] for k in KEYS}, {k: sim[k] for k in KEYS}))
-            print(mode, rate, rows[-1][2], rows[-1][3], flush=True)
+            real = {k: real[k] for k in KEYS}
+            for name, noise in ((mode, True), (f"{mode} fixed", False)):
+                sim = simulate(cluster(mode, cost, latency, noise), ROOT,
+                               sim_requests(args, rate, i))  # fmt: skip
+                rows.append((name, rate, real, {k: sim[k] for k in KEYS}))
+                print(name, rate, real, rows[-1][3], flush=True)
             if mode == "engine":  # the same requests, priced by the run's own steps
                 own = own_steps(runs[i], wide, profiles / f"engine-{rate:g}-own.json", cost)
                 sim = simulate(cluster(mode, own), ROOT, sim_requests(args, rate, i))
-                rows.append(("engine-own", rate, rows[-1][2], {k: sim[k] for k in KEYS}))
+                rows.append(("engine-own", rate, real, {k: sim[k] for k in KEYS}))
 
     print(f"\n{args.num_prompts} requests a point, random {args.input_len} in / {args.output_len} "
           f"out (range ratio {args.range_ratio}), seed {args.seed}; {os.cpu_count()} cores")  # fmt: skip
-    head = f"{'mode':<10} {'rate':>5}" + "".join(f" {k.replace('_ms', ''):>22}" for k in KEYS)
-    print(head + "\n" + " " * 16 + "".join(f" {'real / sim / err':>22}" for _ in KEYS))
+    head = f"{'mode':<14} {'rate':>5}" + "".join(f" {k.replace('_ms', ''):>22}" for k in KEYS)
+    print(head + "\n" + " " * 20 + "".join(f" {'real / sim / err':>22}" for _ in KEYS))
     worst: dict[str, float] = {}
     for mode, rate, real, sim in rows:
         cells = ""
@@ -255,16 +293,22 @@ def main() -> None:
             err = sim[k] / real[k] - 1
             worst[mode] = max(worst.get(mode, 0.0), abs(err))
             cells += f" {real[k]:>7.0f} {sim[k]:>7.0f} {err:>+6.0%}"
-        print(f"{mode:<10} {rate:>5g}{cells}")
+        print(f"{mode:<14} {rate:>5g}{cells}")
     print("largest error: " + ", ".join(f"{m} {e:.0%}" for m, e in worst.items())
           + " (target: within 15%)")  # fmt: skip
+    print("'fixed': every step takes the profile's time; the other rows draw each step's time "
+          "from the spread of the profile's single runs (its step_noise)")  # fmt: skip
+    for mode, latency in latencies.items():
+        if mode != "engine":
+            print(f"{mode}: latency_ms {latency:.0f} (the fixed cost outside the engine's steps, "
+                  f"from {CALIBRATION} requests timed one at a time)")  # fmt: skip
     if "engine-own" in worst:
         print("engine-own: the engine's requests simulated with a cost model fitted on that run's "
               "own steps (the host's speed while it ran, not the profile's)")  # fmt: skip
     for mode, drift in drifts.items():
         print(f"{mode}: the profiles before and after its runs differ by {drift:.0%} on average "
               f"(the machine's own drift; the simulation uses their mean)")  # fmt: skip
-    doc = {"drift": drifts,
+    doc = {"drift": drifts, "latency_ms": latencies,
            "points": [{"mode": m, "rate": r, "real": a, "simulated": b} for m, r, a, b in rows]}  # fmt: skip
     (out / "validation.json").write_text(json.dumps(doc, indent=2) + "\n")
 

@@ -114,6 +114,9 @@ class CostModel:
     coef: Coef
     info: dict | None = None  # where it came from: hardware, model, fit error
     wide_rows: int | None = None  # rows where the runner switches kernels (None: it never does)
+    # How far one run of a step strays from the fitted time, as equally likely ratios (each a
+    # run's seconds over its profile point's): empty for a model with no measured spread.
+    noise: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.coef) in {len(names) for names in SAVED_FEATURES}:
@@ -163,7 +166,7 @@ class CostModel:
     # ---- files ---------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"features": list(FEATURES), "coef": list(self.coef), "wide_rows": self.wide_rows,
-                "info": self.info or {}}  # fmt: skip
+                "info": self.info or {}, "step_noise": list(self.noise)}  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
@@ -176,7 +179,12 @@ class CostModel:
         wide = data.get("wide_rows")
         if wide is not None and not (isinstance(wide, int) and wide >= 0):
             raise ValueError(f"cost model: wide_rows must be an integer >= 0, got {wide!r}")
-        return cls(tuple(float(c) for c in coef), data.get("info") or None, wide)
+        noise = data.get("step_noise", [])
+        if not (isinstance(noise, list) and all(isinstance(r, (int, float)) and r > 0
+                                                 for r in noise)):  # fmt: skip
+            raise ValueError(f"cost model: step_noise must be a list of ratios > 0, got {noise!r}")
+        return cls(tuple(float(c) for c in coef), data.get("info") or None, wide,
+                   tuple(float(r) for r in noise))  # fmt: skip
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -235,6 +243,15 @@ class OnlineCostModel:
             self._since_fit = 0
             self.model = CostModel.fit(self._points, self.model.wide_rows, self.model,
                                        self.anchor_points)  # fmt: skip
+
+
+def noise_quantiles(runs: Iterable[Sequence[float]], typical: Iterable[float], n: int = 20):
+    """The spread of repeated runs as n equally likely ratios: every run's seconds over its
+    point's `typical` seconds, pooled, at the quantiles (i + 0.5) / n."""
+    ratios = sorted(t / mid for times, mid in zip(runs, typical) for t in times)
+    if not ratios:
+        return ()
+    return tuple(ratios[min(len(ratios) - 1, int((i + 0.5) / n * len(ratios)))] for i in range(n))
 
 
 def _features(shape: StepShape, wide_rows: int | None) -> tuple[float, ...]:

@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem.core.cost_model import CostModel
+    from tandem.core.cost_model import CostModel, noise_quantiles
     from tandem.engine.builder import build_engine
     from tandem.engine.config import engine_config_from_args
     from tandem.runner.profile import profile_steps
@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args, args.model)
     core, loaded = build_engine(config)
     print(f"profiling {loaded.model_path.name} ({loaded.dtype} on {loaded.device})")
+    runs: list[list[float]] = []
     print(f"{'prefill':>8} {'chunks':>7} {'decodes':>8} {'decode kv':>10} {'chunk pairs':>12} "
           f"{'ms':>9}")  # fmt: skip
     points = profile_steps(
@@ -62,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
             f"{t * 1e3:>9.2f}"
         ),
         statistic=args.statistic,
+        runs=runs,
     )
     wide = loaded.kernel_switch_rows  # the quantized layers change kernels past it
     # k-fold: each point is predicted once by a model that never saw it
@@ -80,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
         "held_out_mean_abs_error": held_out_error,
         "fit_mean_abs_error": final.mean_abs_error(points),
     }
-    final = CostModel(final.coef, info, wide)
+    # how far single runs stray from a point's time: the simulator draws its steps from it
+    noise = noise_quantiles(runs, [t for _, t in points])
+    final = CostModel(final.coef, info, wide, noise)
     final.save(args.output)
     c = final.coef
     print(
@@ -100,6 +104,11 @@ def run(args: argparse.Namespace) -> int:
         f"({args.folds}-fold over {len(points)} points); "
         f"{_held_out_error(one_chunk, wide):.1%} without the per-chunk terms"
         + (f", {_held_out_error(folds, None):.1%} without the kernel-switch terms" if wide else "")
+    )
+    mean = sum(noise) / len(noise)
+    print(
+        f"a single run of a step: {noise[0]:.2f}x to {noise[-1]:.2f}x its point's time "
+        f"(2.5th to 97.5th percentile), {mean:.2f}x on average"
     )
     print(f"saved to {args.output}")
     return 0

@@ -42,7 +42,7 @@ STATISTICS = ("min", "median")
 
 
 def profile_steps(core, grid: ProfileGrid, vocab_size: int, repeats: int = 3, on_point=None,
-                  statistic: str = "min"):  # fmt: skip
+                  statistic: str = "min", runs: list | None = None):  # fmt: skip
     """[(shape, seconds)] for every grid point that fits the pool and max_model_len. Each
     point's seconds are the fastest of its timed runs ("min": the clean cost, since on a
     shared machine noise only adds time) or their median (what a run of many steps meets).
@@ -50,7 +50,8 @@ def profile_steps(core, grid: ProfileGrid, vocab_size: int, repeats: int = 3, on
     The grid is timed in passes, each running every point once, so a point's runs are spread
     over the whole profile: noise on a shared machine comes in bursts of seconds, and timing a
     point's runs back to back let one burst inflate all of them (two profiles minutes apart
-    differed by up to 2x on single points when they were)."""
+    differed by up to 2x on single points when they were). `runs`, if given, receives each
+    point's timed runs (a list of seconds per point, in the order of the result)."""
     if statistic not in STATISTICS:
         raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
     limit = core.scheduler.config.max_model_len
@@ -92,6 +93,8 @@ def profile_steps(core, grid: ProfileGrid, vocab_size: int, repeats: int = 3, on
     for point in points:
         times = seconds[point]
         results.append((shapes[point], min(times) if statistic == "min" else median(times)))
+        if runs is not None:
+            runs.append(times)
         if on_point is not None:
             on_point(*results[-1])
     return results

@@ -11,7 +11,10 @@ JSON, checked with errors naming the field.
       - {name: local, cost_model: cost.json, kv_tokens: 100000, count: 1}
       - {name: b200, count: 2, hardware: {name: B200, bf16_tflops: 2250, mem_bandwidth_gbs: 8000,
                                           mem_gib: 180, price_per_hour: 6.0}}  # any accelerator
-      # per group also: role (below), prefix_caching: false (no radix cache)
+      # per group also: role (below), prefix_caching: false (no radix cache), latency_ms
+      # (what a request spends outside the engine's steps: HTTP, tokenization, a proxy's
+      # hops; added to every time its client sees), step_noise: false (a profiled group's
+      # steps take the fitted time exactly instead of straying as its profile's runs did)
 
 Prefill/decode disaggregation: groups with `role: prefill` and `role: decode`, and a link
 between them (KV transfer time = bytes / bandwidth + latency, overlapped layer by layer):
@@ -52,6 +55,8 @@ class GroupSpec:
     price_per_hour: float = 0.0  # of one instance (all its devices); roofline: the device's x tp
     role: str = "both"  # both | prefill | decode
     prefix_caching: bool = True  # its radix cache (off: every prompt computed, or sent, whole)
+    latency_s: float = 0.0  # outside the engine's steps: added to every time its client sees
+    step_noise: bool = True  # steps stray as the profile's runs did (if it measured that)
 
 
 @dataclass(frozen=True)
@@ -146,11 +151,16 @@ def _group(g: dict, i: int, model: ModelSpec, base: Path) -> GroupSpec:
         cost = roofline_cost_model(hw, model, tp)
         kv = int(g.get("kv_tokens") or kv_capacity_tokens(hw, model, tp))
         price = hw.price_per_hour * tp
-    caching = g.get("prefix_caching", True)
-    if not isinstance(caching, bool):
-        raise ValueError(f"{where}.prefix_caching must be true or false, got {caching!r}")
+    caching, noise = g.get("prefix_caching", True), g.get("step_noise", True)
+    for name, value in (("prefix_caching", caching), ("step_noise", noise)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}.{name} must be true or false, got {value!r}")
+    latency = g.get("latency_ms", 0.0)
+    if not (isinstance(latency, (int, float)) and latency >= 0):
+        raise ValueError(f"{where}.latency_ms must be a number >= 0, got {latency!r}")
     return GroupSpec(g.get("name", f"group{i}"), count, cost, kv, hardware, tp,
-                     float(g.get("price_per_hour", price)), role, caching)  # fmt: skip
+                     float(g.get("price_per_hour", price)), role, caching, latency / 1000,
+                     noise)  # fmt: skip
 
 
 def _hardware(value, where: str) -> Hardware:

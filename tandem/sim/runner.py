@@ -1,8 +1,15 @@
 """SimulatedRunner: the Runner the simulator gives each instance's EngineCore. A step takes
 what the cost model predicts for its plan, on the instance's virtual clock; every row that
-samples gets one token. The engine loop cannot tell it from the model runner."""
+samples gets one token. The engine loop cannot tell it from the model runner.
+
+With `noise` (a profile's spread of single runs, CostModel.noise), each step's time is the
+prediction times one of those ratios, drawn by a generator seeded per instance: real steps
+stray from their shape's typical time, mostly upward on a shared machine, and near
+saturation queueing is made of those slow steps. Same seed, same draws: still deterministic."""
 
 from __future__ import annotations
+
+import random
 
 from tandem.core.clock import FakeClock
 from tandem.core.runner import RunnerOutput
@@ -12,14 +19,19 @@ SIM_TOKEN = 1  # what simulated requests "generate"; they run with ignore_eos to
 
 
 class SimulatedRunner:
-    def __init__(self, cost_model, clock: FakeClock) -> None:
+    def __init__(
+        self, cost_model, clock: FakeClock, noise: tuple[float, ...] = (), seed: int = 0
+    ) -> None:
         self.cost_model, self.clock = cost_model, clock
+        self.noise, self._rng = noise, random.Random(seed)
         self.busy_seconds = 0.0  # virtual seconds spent computing, for utilisation
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if plan.is_empty:
             return RunnerOutput()
         seconds = self.cost_model.predict(plan.shape)
+        if self.noise:
+            seconds *= self.noise[int(self._rng.random() * len(self.noise))]
         self.clock.advance(seconds)
         self.busy_seconds += seconds
         return RunnerOutput(

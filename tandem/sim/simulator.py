@@ -18,6 +18,10 @@ instance computes the prompt with `kv_transfer` (max_tokens 1), and the missing 
 the link layer by layer, overlapped with the prefill step: it has all arrived at
 max(step end + one layer's transfer, step start + the whole transfer) + latency, when the
 decode instance commits (`EngineCore.commit`) and the client sees the first token.
+
+A group's `latency_s` (HTTP, tokenization, a proxy's hops: what a request spends outside the
+engine's steps) is added to every time its clients see; its steps stray from the cost model's
+time as its profile's runs did (SimulatedRunner's noise) unless the group turns that off.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import functools
 import gc
 import heapq
 import itertools
+import zlib
 from array import array
 from dataclasses import dataclass, field
 
@@ -88,7 +93,8 @@ class Instance:
         scheduler = Scheduler(
             config, kv, self.clock, build_batch_policy(cluster.scheduling_policy, cost), cost
         )
-        self.runner = SimulatedRunner(cost, self.clock)
+        noise = cost.noise if group.step_noise else ()
+        self.runner = SimulatedRunner(cost, self.clock, noise, zlib.crc32(name.encode()))
         self.core = EngineCore(scheduler, self.runner, self.clock)
         self.state = WorkerState(name, name)
         self.backlog: list[tuple[SimRequest, str]] = []  # decode: waiting for room to reserve
@@ -259,8 +265,9 @@ class Simulation:
                 elif out.finish_reason is not None:
                     self.records[out.request_id].error = out.error or "prefill failed"
         else:
+            seen = now + inst.group.latency_s
             for out in outputs:
-                self.records[out.request_id].observe(out, now)
+                self.records[out.request_id].observe(out, seen)
             while inst.backlog and self._reserve(inst, *inst.backlog[0], now):
                 inst.backlog.pop(0)
         self._touch(inst)
@@ -277,8 +284,9 @@ class Simulation:
         decode = self.by_name[self.records[rid].instance]
         if not decode.core.has_unfinished() or decode.core.stalled:  # idle until the KV came
             decode.clock.now = max(decode.clock.now, when)
+        seen = max(when, decode.clock()) + decode.group.latency_s
         for out in decode.core.commit(rid, first_token):
-            self.records[out.request_id].observe(out, max(when, decode.clock()))
+            self.records[out.request_id].observe(out, seen)
         self._touch(decode)
 
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from tandem.core.cost_model import FEATURES, CostModel, OnlineCostModel, StepShape
+from tandem.core.cost_model import FEATURES, CostModel, OnlineCostModel, StepShape, noise_quantiles
 from tandem.core.policy import FCFSBatch, PriorityBatch
 from tandem.core.request import Request, RequestStatus
 from tandem.core.sampling_params import SamplingParams
@@ -136,6 +136,20 @@ def test_cost_model_round_trips_through_a_file(tmp_path):
     (tmp_path / "bad.json").write_text('{"coef": [1]}')
     with pytest.raises(ValueError, match="cost_model"):
         CostModel.load(tmp_path / "bad.json")
+    noisy = CostModel((0.01, 0.001, 0.002, 1e-6, 2e-6), noise=(0.9, 1.0, 1.4))
+    noisy.save(tmp_path / "noisy.json")
+    assert CostModel.load(tmp_path / "noisy.json") == noisy
+    (tmp_path / "bad_noise.json").write_text(json.dumps({**noisy.to_dict(), "step_noise": [0]}))
+    with pytest.raises(ValueError, match="step_noise"):
+        CostModel.load(tmp_path / "bad_noise.json")
+
+
+def test_noise_quantiles_pool_every_run_over_its_points_time():
+    # ratios 0.5, 1, 1.5 (first point, typical 2 s) and 1, 2, 3 (second, typical 1 s)
+    runs, typical = [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]], [2.0, 1.0]
+    assert noise_quantiles(runs, typical, n=3) == (1.0, 1.5, 3.0)  # the middle of each third
+    assert noise_quantiles(runs, typical, n=6) == (0.5, 1.0, 1.0, 1.5, 2.0, 3.0)
+    assert noise_quantiles([], [], n=4) == ()
 
 
 def test_online_model_learns_from_observed_steps():

@@ -19,6 +19,10 @@ def test_profile_fits_and_saves_a_cost_model(llama_path, tmp_path, capsys):
     assert model.info["points"] >= 30 and 0 <= model.info["held_out_mean_abs_error"] < 1
     small, big = StepShape(0, 1, 64), StepShape(512, 32, 16384, 131328)
     assert 0 < model.predict(small) < model.predict(big)
+    # the spread of single runs, for the simulator: each over its point's fastest run
+    assert len(model.noise) == 20 and list(model.noise) == sorted(model.noise)
+    assert model.noise[0] == 1.0  # a point's fastest run is its time
+    assert "a single run of a step" in printed
 
 
 def test_profile_times_the_grid_it_is_given_with_the_statistic_asked_for(llama_path, tmp_path):
@@ -28,7 +32,9 @@ def test_profile_times_the_grid_it_is_given_with_the_statistic_asked_for(llama_p
     rc = main(["profile", str(llama_path), "-o", str(out), "--repeats", "2", "--dtype",
                "float32", "--kv-cache-memory", "0.05", "--statistic", "median", *grid])  # fmt: skip
     assert rc == 0
-    info = CostModel.load(out).info
+    model = CostModel.load(out)
+    info = model.info
+    assert model.noise[0] <= 1.0 <= model.noise[-1]  # runs on both sides of their median
     # (0 prefill: 1 or 3 decodes) + (16 or 48 prefill in 1 or 2 chunks: 0, 1 or 3 decodes)
     assert info["points"] == 2 + 2 * 2 * 3 and info["statistic"] == "median"
 

@@ -258,3 +258,28 @@ def test_a_two_term_layer_switches_to_dense_sooner_and_computes_the_same_either_
         x = torch.randn(rows, 64).to(torch.bfloat16)
         assert _close(layer(x), x.float() @ ref.t())
     assert dense_rows == [layer.kernel_max_rows + 1]
+
+
+@pytest.mark.parametrize("kind", ["int4", "Q8_0", "int8"])
+def test_a_kept_bf16_copy_holds_the_numbers_the_dequantized_slices_hold(kind):
+    """keep_dense_copy: past kernel_max_rows the layer multiplies a bf16 copy prepacked at
+    load instead of dequantizing slices each step; the same bf16 weights, so the same
+    products up to the order of the sums."""
+    torch.manual_seed(0)
+    w = torch.randn(3000, 128) * 0.05  # 3000 rows: several slices on the sliced path
+    layer = {
+        "int4": lambda: _int4_layer(3000, 128, 32)[1],
+        "Q8_0": lambda: Int4Linear(
+            128, 3000, [int4_term(*t) for t in quantize_int8_groups(w, 32)], "Q8_0"
+        ),  # fmt: skip
+        "int8": lambda: Int8Linear(128, 3000, *quantize_int8(w)),
+    }[kind]()
+    sliced_weights = layer.dequant_t(0, layer.padded_rows)[:, :3000].t().clone()
+    x = torch.randn(300, 128).to(torch.bfloat16)
+    sliced = layer(x)
+    layer.keep_dense_copy()
+    assert torch.equal(layer.dequantize()[:3000].to(torch.bfloat16), sliced_weights)
+    packed = layer(x)
+    assert layer(x[:1]).shape == (1, 3000)  # one row still runs torch's weight-only kernel
+    assert torch.allclose(packed.float(), sliced.float(), rtol=0.02, atol=0.02)
+    assert _close(packed, x.float() @ layer.dequantize().t())

@@ -54,6 +54,44 @@ def test_one_instance_with_a_constant_step_time_gives_the_hand_computed_latencie
     assert result["groups"]["g"]["utilization"] == pytest.approx(1.0)
 
 
+def test_a_groups_latency_delays_every_time_its_client_sees_and_nothing_else(tmp_path):
+    requests = [SimRequest(0.0, tuple(range(10)), 5), SimRequest(0.015, tuple(range(50, 60)), 3)]
+    plain = Simulation(constant_cluster(tmp_path), requests).run()
+    spec = constant_cluster(tmp_path)
+    spec = dataclasses.replace(spec, groups=[dataclasses.replace(spec.groups[0], latency_s=0.2)])
+    late = Simulation(spec, requests).run()
+    for a, b in zip(plain, late):
+        assert b.first_token == pytest.approx(a.first_token + 0.2)
+        assert b.token_times == pytest.approx([t + 0.2 for t in a.token_times])
+    # and from the cluster file, in milliseconds
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"model": "llama-3-8b", "groups": [
+        {"cost_model": "cost.json", "kv_tokens": 4096, "latency_ms": 200}]}))  # fmt: skip
+    assert ClusterSpec.load(path).groups[0].latency_s == pytest.approx(0.2)
+
+
+def noisy_cluster(tmp_path, noise, step_noise=True):
+    CostModel((0.01, 0.0, 0.0, 0.0, 0.0), noise=noise).save(tmp_path / "noisy.json")
+    return ClusterSpec.from_dict({"model": "llama-3-8b", "groups": [
+        {"cost_model": "noisy.json", "kv_tokens": 4096, "step_noise": step_noise}]},
+        tmp_path)  # fmt: skip
+
+
+def test_steps_stray_as_the_profiles_runs_did_deterministically(tmp_path):
+    noise = (0.8, 1.0, 1.0, 2.0)  # a profile's spread: a run takes 1.2x its point on average
+    requests = [SimRequest(0.0, tuple(range(10)), 400)]
+
+    def itl(cluster):
+        (r,) = Simulation(cluster, requests).run()
+        return [b - a for a, b in zip(r.token_times, r.token_times[1:])]
+
+    steps = itl(noisy_cluster(tmp_path, noise))
+    assert {round(t, 9) for t in steps} == {0.008, 0.01, 0.02}  # each a drawn ratio x 10 ms
+    assert sum(steps) / len(steps) == pytest.approx(0.012, rel=0.1)
+    assert itl(noisy_cluster(tmp_path, noise)) == steps  # seeded per instance: the same draws
+    assert {round(t, 9) for t in itl(noisy_cluster(tmp_path, noise, step_noise=False))} == {0.01}
+
+
 def pd_cluster(tmp_path, decode_kv=4096, bandwidth_gbs=1.31072, latency_ms=0.1):
     path = tmp_path / "cost.json"
     CostModel((0.01, 0.0, 0.0, 0.0, 0.0)).save(path)
@@ -231,6 +269,8 @@ def test_roofline_model_reads_the_weights_once_a_step_and_divides_work_by_tp():
         ({"groups": [{"hardware": "H100"}], "prefill_router": "x"}, "cluster.prefill_router"),
         ({"groups": [{"hardware": "H100"}], "scheduling_policy": "edf"}, "scheduling_policy"),
         ({"groups": [{"hardware": "H100", "prefix_caching": "no"}]}, "prefix_caching"),
+        ({"groups": [{"hardware": "H100", "step_noise": 1}]}, r"groups\[0\].step_noise"),
+        ({"groups": [{"hardware": "H100", "latency_ms": -1}]}, r"groups\[0\].latency_ms"),
         ({"groups": [{"hardware": {"name": "X", "bf16_tflops": 100}}]}, r"groups\[0\].hardware"),
         (
             {
