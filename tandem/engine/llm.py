@@ -22,6 +22,7 @@ class LLM:
         self.engine, loaded = build_engine(self.config)
         self.model_path, self.model_config = loaded.model_path, loaded.model_config
         self._max_model_len = loaded.max_model_len
+        self.quantization = loaded.weights  # what the weights are, as /v1/models says
         self.tokenizer = load_tokenizer(self.config.tokenizer or self.model_path)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

@@ -19,11 +19,16 @@ log = logging.getLogger("tandem")
 
 
 def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
-    return (
+    """float32 anywhere oneDNN is; bfloat16 where the CPU computes it natively (AVX512-BF16,
+    AMX): emulated, a prepacked bf16 weight gains nothing."""
+    if not (
         device.type == "cpu"
-        and dtype == torch.float32
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return False
+    return dtype == torch.float32 or (
+        dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
 
 

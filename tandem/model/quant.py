@@ -89,6 +89,9 @@ class QuantizedLinear(nn.Module, ABC):
     """y = x W^T + b with W quantized; the subclasses say how W is stored."""
 
     KERNEL_MAX_ROWS = 32  # measured crossover of torch's kernels and dequantize + bf16 matmul
+    # ... and of torch's kernels and a bf16 copy prepacked at load (keep_dense_copy): 9.6 vs
+    # 12.0 ms a step at 8 rows, 16.9 vs 13.0 at 12 (`python benchmarks/quant_linear.py`)
+    COPY_KERNEL_MAX_ROWS = 10
     fmt: str  # e.g. "int4 (group 32)", "Q4_1", for logs and /v1/models
     padded_rows: int  # output rows as stored (int4 packs blocks of 64)
 
@@ -119,7 +122,7 @@ class QuantizedLinear(nn.Module, ABC):
     @property
     def kernel_max_rows(self) -> int:
         """Rows up to which this layer runs torch's kernel (then dequantize + dense)."""
-        return self.KERNEL_MAX_ROWS
+        return self.COPY_KERNEL_MAX_ROWS if self.dense_packed is not None else self.KERNEL_MAX_ROWS
 
     def keep_dense_copy(self) -> None:
         """Hold W in bf16 too, prepacked for oneDNN once: a step past kernel_max_rows then
@@ -128,6 +131,7 @@ class QuantizedLinear(nn.Module, ABC):
         w = self.dequantize()[: self.out_features].to(torch.bfloat16)
         self.dense_packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
         self.can_dense = True
+        self.fmt += " + bf16 copy"
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T through bf16 matmuls, W dequantized one slice of rows at a time."""
@@ -178,8 +182,8 @@ class Int4Linear(QuantizedLinear):
     @property
     def kernel_max_rows(self) -> int:
         if len(self.terms) == 1:
-            return self.KERNEL_MAX_ROWS
-        return min(self.KERNEL_MAX_ROWS, self.TWO_TERM_KERNEL_MAX_ROWS)
+            return super().kernel_max_rows
+        return min(super().kernel_max_rows, self.TWO_TERM_KERNEL_MAX_ROWS)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu

@@ -21,6 +21,7 @@ from tandem.model.quant import (
     Int4Term,
     Int8Linear,
     QuantizedEmbedding,
+    QuantizedLinear,
     int4_term,
     quantize_int4,
     quantize_int8,
@@ -196,6 +197,22 @@ def _swap_head(model, head, embedding) -> None:
         model.lm_head = head
     if embedding is not None:
         model.model.embed_tokens = QuantizedEmbedding(embedding, dtype)
+
+
+def keep_bf16_copies(model) -> int:
+    """QuantizedLinear.keep_dense_copy on every quantized layer; -> how many."""
+    from tandem.model.packed_linear import packing_available
+
+    if not packing_available(torch.bfloat16, torch.device("cpu")):
+        raise ValueError(
+            "bf16_weight_copy needs a CPU that computes bf16 natively (AVX512-BF16 or AMX): "
+            "emulated, the copy is slower than the quantized kernels"
+        )
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    for layer in layers:
+        layer.keep_dense_copy()
+    _return_freed_memory()
+    return len(layers)
 
 
 def check_device(method: str, device: torch.device) -> None:

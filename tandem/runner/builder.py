@@ -21,7 +21,7 @@ from tandem.engine.config import DEFAULT_KV_CACHE_GIB, kv_cache_setting
 from tandem.model.kv_quant import SCALE_BYTES, storage_dtype
 from tandem.model.loader import gguf_file, load_model, resolve_model
 from tandem.model.quant import QuantizedLinear
-from tandem.model.quantize import check_device, quantize_model
+from tandem.model.quantize import check_device, keep_bf16_copies, quantize_model
 from tandem.runner.model_runner import ModelRunner
 
 log = logging.getLogger("tandem")
@@ -55,6 +55,11 @@ def build_model_runner(config) -> LoadedRunner:
     torch.manual_seed(config.seed)
     model = load_model(path, mcfg, dtype, device, max_positions=max_model_len)
     weights = quantize_model(model, method, config.quantization_group_size, gguf)
+    if config.bf16_weight_copy:
+        if method == "none":
+            raise ValueError("bf16_weight_copy: the weights are not quantized (quantization none)")
+        keep_bf16_copies(model)
+        weights += " + bf16 copy"
     kv_dtype = storage_dtype(config.kv_cache_dtype, dtype)
     scale_bytes = 0 if config.kv_cache_dtype == "auto" else SCALE_BYTES
     block_bytes = kv_bytes_per_block(mcfg, config.block_size, kv_dtype.itemsize, scale_bytes)
@@ -66,8 +71,11 @@ def build_model_runner(config) -> LoadedRunner:
         model, mcfg, num_blocks, config.block_size, dtype, device, config.seed,
         config.kv_cache_dtype,
     )  # fmt: skip
+    # where the projections switch (the Q8_0 head's own earlier switch is left to the fit)
     switch = {
-        m.KERNEL_MAX_ROWS for m in model.modules() if isinstance(m, QuantizedLinear) and m.can_dense
+        m.COPY_KERNEL_MAX_ROWS if m.dense_packed is not None else m.KERNEL_MAX_ROWS
+        for m in model.modules()
+        if isinstance(m, QuantizedLinear) and m.can_dense
     }
     return LoadedRunner(runner, path, mcfg, max_model_len, num_blocks, dtype, device, weights,
                         min(switch, default=None))  # fmt: skip

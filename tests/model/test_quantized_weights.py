@@ -283,3 +283,30 @@ def test_a_kept_bf16_copy_holds_the_numbers_the_dequantized_slices_hold(kind):
     assert layer(x[:1]).shape == (1, 3000)  # one row still runs torch's weight-only kernel
     assert torch.allclose(packed.float(), sliced.float(), rtol=0.02, atol=0.02)
     assert _close(packed, x.float() @ layer.dequantize().t())
+
+
+BF16_NATIVE = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def test_the_bf16_copy_serves_large_steps_and_follows_the_quantized_path(checkpoints):
+    """--bf16-weight-copy: every quantized layer also holds its weights in bf16 (prepacked),
+    and steps past 10 rows multiply that; the default model's chat reply is the one its GGUF
+    blocks give without the copy. Where the CPU has no native bf16 it is refused."""
+    messages = [{"role": "user", "content": "What is the capital of France? Tell me about it."}]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    with pytest.raises(ValueError, match="bf16_weight_copy: the weights are not quantized"):
+        LLM(str(checkpoints["llama"]), bf16_weight_copy=True)
+    if not BF16_NATIVE:
+        with pytest.raises(ValueError, match="bf16_weight_copy needs a CPU"):
+            LLM(bf16_weight_copy=True)
+        return
+    outs = {}
+    for copy in (True, False):
+        llm = LLM(bf16_weight_copy=copy, kv_cache_memory=0.1, max_model_len=512)
+        outs[copy] = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].token_ids
+        layer = llm.engine.runner.model.model.layers[0].mlp.down_proj
+        assert (layer.dense_packed is not None) == copy
+        assert layer.kernel_max_rows == (QuantizedLinear.COPY_KERNEL_MAX_ROWS if copy else 32)
+        assert llm.quantization.endswith("+ bf16 copy") == copy
+        del llm
+    assert outs[True] == outs[False]
