@@ -203,7 +203,7 @@ def test_a_real_hf_checkpoint_quantized_at_load_follows_its_float_greedy_output(
     """The default model's converted HF folder (real trained weights), float32: tokens each
     quantized run agrees with the float run before diverging, over 8 chat prompts of 32
     tokens (measured: int4 32/32/17/31/6/32/32/10, int8 11/20/32/7/6/25/5/14; bf16 float
-    weights alone 32/20/32/31/32/32/32/14)."""
+    weights alone 11/20/17/31/6/32/32/14, the same prepacked or not)."""
     from tandem.model.gguf import gguf_as_hf_folder
 
     folder = str(gguf_as_hf_folder(default_model_path()))
