@@ -39,6 +39,14 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
+    @classmethod
+    def of_weight(cls, weight: torch.Tensor) -> PackedLinear:
+        """x @ weight^T, no bias: a weight that is not an nn.Linear's (a quantized layer's
+        bf16 copy, quant.py)."""
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        return cls(linear)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 

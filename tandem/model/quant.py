@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from tandem.model import kernels
+from tandem.model.packed_linear import PackedLinear
 
 INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's int4 CPU kernel takes
 SLICE_BYTES = 2 << 20  # a dequantized slice, sized to stay in this CPU's L2/L3
@@ -100,7 +101,7 @@ class QuantizedLinear(nn.Module, ABC):
         self.in_features, self.out_features = in_features, out_features
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.can_dense = kernels.dequant() is not None  # else torch's kernels for every size
-        self.dense_packed: torch.Tensor | None = None  # keep_dense_copy's bf16 weight
+        self.dense_copy: PackedLinear | None = None  # keep_dense_copy's bf16 weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The usual call (2-D bf16 activations, no bias) skips the reshapes and casts: at one
@@ -122,21 +123,20 @@ class QuantizedLinear(nn.Module, ABC):
     @property
     def kernel_max_rows(self) -> int:
         """Rows up to which this layer runs torch's kernel (then dequantize + dense)."""
-        return self.COPY_KERNEL_MAX_ROWS if self.dense_packed is not None else self.KERNEL_MAX_ROWS
+        return self.COPY_KERNEL_MAX_ROWS if self.dense_copy is not None else self.KERNEL_MAX_ROWS
 
     def keep_dense_copy(self) -> None:
         """Hold W in bf16 too, prepacked for oneDNN once: a step past kernel_max_rows then
         multiplies it directly instead of dequantizing it slice by slice (2 more bytes a
         weight; the same bf16 numbers the slices hold)."""
-        w = self.dequantize()[: self.out_features].to(torch.bfloat16)
-        self.dense_packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        self.dense_copy = PackedLinear.of_weight(self.dequantize().to(torch.bfloat16))
         self.can_dense = True
         self.fmt += " + bf16 copy"
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T through bf16 matmuls, W dequantized one slice of rows at a time."""
-        if self.dense_packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.dense_packed, None, "none", [], "")
+        if self.dense_copy is not None:
+            return self.dense_copy(x)
         n, k = self.out_features, self.in_features
         step = max(64, SLICE_BYTES // (2 * k) // 64 * 64)
         if step >= n:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tandem.model.gguf_quant import tensor_terms
+from tandem.model.packed_linear import packing_available
 from tandem.model.quant import (
     Int4Linear,
     Int4Term,
@@ -201,8 +202,6 @@ def _swap_head(model, head, embedding) -> None:
 
 def keep_bf16_copies(model) -> int:
     """QuantizedLinear.keep_dense_copy on every quantized layer; -> how many."""
-    from tandem.model.packed_linear import packing_available
-
     if not packing_available(torch.bfloat16, torch.device("cpu")):
         raise ValueError(
             "bf16_weight_copy needs a CPU that computes bf16 natively (AVX512-BF16 or AMX): "

@@ -72,13 +72,10 @@ def build_model_runner(config) -> LoadedRunner:
         config.kv_cache_dtype,
     )  # fmt: skip
     # where the projections switch (the Q8_0 head's own earlier switch is left to the fit)
-    switch = {
-        m.COPY_KERNEL_MAX_ROWS if m.dense_packed is not None else m.KERNEL_MAX_ROWS
-        for m in model.modules()
-        if isinstance(m, QuantizedLinear) and m.can_dense
-    }
+    switch = [m.kernel_max_rows for m in model.modules()
+              if isinstance(m, QuantizedLinear) and m.can_dense]  # fmt: skip
     return LoadedRunner(runner, path, mcfg, max_model_len, num_blocks, dtype, device, weights,
-                        min(switch, default=None))  # fmt: skip
+                        max(switch, default=None))  # fmt: skip
 
 
 def quantization_method(name: str | None, gguf: Path | None) -> str:

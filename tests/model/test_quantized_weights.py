@@ -305,7 +305,7 @@ def test_the_bf16_copy_serves_large_steps_and_follows_the_quantized_path(checkpo
         llm = LLM(bf16_weight_copy=copy, kv_cache_memory=0.1, max_model_len=512)
         outs[copy] = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].token_ids
         layer = llm.engine.runner.model.model.layers[0].mlp.down_proj
-        assert (layer.dense_packed is not None) == copy
+        assert (layer.dense_copy is not None) == copy
         assert layer.kernel_max_rows == (QuantizedLinear.COPY_KERNEL_MAX_ROWS if copy else 32)
         assert llm.quantization.endswith("+ bf16 copy") == copy
         del llm
