@@ -25,6 +25,7 @@ from tandem.model.attention import (
 )
 
 H, KVH, D, BS, NBLOCKS = 9, 3, 64, 16, 4096
+LAYERS = 30  # the default model's
 
 
 def best_ms(fns, repeat=7, number=10):
@@ -86,6 +87,22 @@ def cases(b, q, ctx, dtype):
         fns["C++ paged decode kernel (no gather)"] = lambda: decode(
             qt[:, 0], kc, vc, bt, lens, scale
         )[:, None]
+        # As in a decode step: each layer's KV was last read a step ago, so it comes from
+        # memory, not cache. LAYERS caches in turn, each holding just these rows' blocks.
+        ids = torch.arange(b * nb).view(b, nb) + 1  # block 0 is the null block
+        own = torch.cat([torch.zeros(1, dtype=torch.long), bt.view(-1)])
+        cold = [(kc[own], vc[own])]  # the same keys as the rows above, so it is checked too
+        cold += [
+            tuple(torch.randn(b * nb + 1, BS, KVH, D, generator=g).to(dtype) for _ in "kv")
+            for _ in range(LAYERS - 1)
+        ]
+        turn = iter(range(1 << 62))
+
+        def decode_cold():
+            k, v = cold[next(turn) % LAYERS]
+            return decode(qt[:, 0], k, v, ids, lens, scale)[:, None]
+
+        fns["  the same, each call a cold layer's cache"] = decode_cold
     ref = tandem().float()
     tolerance = 1e-2 if dtype == torch.float32 else 5e-2  # bf16: an ulp at 2-4 is 0.016
     for name, fn in fns.items():

@@ -62,7 +62,7 @@ LENS = {
 
 @pytest.mark.parametrize("lens", LENS.values(), ids=LENS.keys())
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
-@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("group", [1, 3, 4, 5, 8])  # 5, 8: heads in two passes
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_kernel_equals_torch_path_fp32(kernel, block_size, group, head_dim, lens):
     q, kc, vc, tables, ctx = paged_case(lens, block_size, 2, group, head_dim)

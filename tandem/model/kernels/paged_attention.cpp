@@ -1,10 +1,14 @@
 // Decode attention (one query token per row) read straight from the paged KV cache.
 //
 // A work item is one (row, kv head); its G = H / KVH query heads share every key and value
-// it loads, and it walks the row's block table up to the row's context length:
-//   pass 1  scores[g, t] = scale * q[g] . k[t]           reads K once
+// it loads (up to kMaxHeads of them per pass), and it walks the row's block table up to the
+// row's context length:
+//   pass 1  scores[g, t] = scale * q[g] . k[t]           reads K once, widened once for all g
 //   pass 2  p[g, t] = exp(scores[g, t] - max_g), sums     exact softmax over a [G, ctx] buffer
-//   pass 3  out[g] = sum_t p[g, t] v[t] / sum_g           reads V once
+//   pass 3  out[g] = sum_t p[g, t] v[t] / sum_g           reads V once, widened once for all g
+// A row's blocks are scattered over the cache, which the hardware prefetcher cannot follow:
+// pass 1 prefetches the keys kAhead blocks ahead and each block's values for pass 3. A cold
+// cache (the decode step reads every layer's KV from memory) ran at half speed without it.
 // Slots past the context length (the tail of the last block, null block 0 in the padding)
 // are never read. Everything accumulates in float32; bf16 and fp16 are widened on load, and
 // an 8-bit cache's int8 or e4m3 values too, its per-slot scales applied to scores and weights.
@@ -85,56 +89,111 @@ struct Shapes {
   int64_t q_row, q_head;  // q strides, in elements
 };
 
-// out[i] = q . rows[i] for n rows of d floats. With kD (= d) known at compile time q stays in
-// registers across the rows; two accumulators halve each dot's dependency chain.
-template <int kD, typename T>
-inline void dots(const float* q, const T* rows, int64_t stride, int64_t n, float* out, int d) {
-  constexpr int kVecs = kD / kLanes;
-  Vec qv[kVecs > 0 ? kVecs : 1];
-  for (int r = 0; r < kVecs; ++r) qv[r] = Vec::loadu(q + r * kLanes);
+// Up to this many query heads of a KV head share one pass over its keys and values, each key
+// and value widened once for all of them; a larger group goes in several passes.
+constexpr int kMaxHeads = 4;
+// Blocks of keys fetched ahead of pass 1 (1 and 3 measured no better: a cold 16-row step).
+constexpr int64_t kAhead = 2;
+
+// Fetch n rows of d values, `stride` elements apart, toward the cache ahead of their use: a
+// row's slots are scattered across blocks, so the hardware prefetcher does not see them coming.
+template <typename C>
+inline void prefetch_rows(const C* rows, int64_t stride, int64_t n, int d) {
+  const int64_t bytes = static_cast<int64_t>(d) * sizeof(C);
   for (int64_t i = 0; i < n; ++i) {
-    const T* k = rows + i * stride;
-    Vec a0(0.f), a1(0.f);
-    if constexpr (kVecs > 0) {
-      for (int r = 0; r + 1 < kVecs; r += 2) {
-        a0 = at::vec::fmadd(qv[r], widen(k + r * kLanes), a0);
-        a1 = at::vec::fmadd(qv[r + 1], widen(k + (r + 1) * kLanes), a1);
+    const char* p = reinterpret_cast<const char*>(rows + i * stride);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+  }
+}
+
+// out[0:n] = the horizontal sums of acc[0:n].
+inline void reduce_each(const Vec* acc, int n, float* out) {
+  int i = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  // Four sums from three hadds and one add instead of four separate reductions.
+  for (; i + 4 <= n; i += 4) {
+    const __m256 ab = _mm256_hadd_ps(acc[i], acc[i + 1]);
+    const __m256 cd = _mm256_hadd_ps(acc[i + 2], acc[i + 3]);
+    const __m256 abcd = _mm256_hadd_ps(ab, cd);
+    _mm_storeu_ps(out + i, _mm_add_ps(_mm256_castps256_ps128(abcd),
+                                      _mm256_extractf128_ps(abcd, 1)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = hsum(acc[i]);
+}
+
+// scores[g * ctx + i] = q[g] . rows[i] for kG heads (q: [kG, d] floats) and n rows of d
+// values. Each key is widened once for all kG heads, and two keys go at a time, so 2 * kG
+// independent accumulators keep the FMA units busy.
+template <int kG, int kD, typename C>
+inline void head_dots(const float* q, const C* rows, int64_t stride, int64_t n, float* scores,
+                      int64_t ctx, int d) {
+  const int vecs = kD > 0 ? kD / kLanes : d / kLanes;
+  Vec a[2 * kG];
+  float sums[2 * kG];
+  int64_t i = 0;
+  for (; i + 2 <= n; i += 2) {
+    const C* k0 = rows + i * stride;
+    const C* k1 = k0 + stride;
+    for (int g = 0; g < 2 * kG; ++g) a[g] = Vec(0.f);
+    for (int r = 0; r < vecs; ++r) {
+      const Vec x0 = widen(k0 + r * kLanes), x1 = widen(k1 + r * kLanes);
+      for (int g = 0; g < kG; ++g) {
+        const Vec qv = Vec::loadu(q + g * d + r * kLanes);
+        a[g] = at::vec::fmadd(qv, x0, a[g]);
+        a[kG + g] = at::vec::fmadd(qv, x1, a[kG + g]);
       }
-      if constexpr (kVecs % 2 == 1) {
-        a0 = at::vec::fmadd(qv[kVecs - 1], widen(k + (kVecs - 1) * kLanes), a0);
-      }
-    } else {
-      for (int j = 0; j < d; j += kLanes) a0 = at::vec::fmadd(Vec::loadu(q + j), widen(k + j), a0);
     }
-    out[i] = hsum(a0 + a1);
+    reduce_each(a, 2 * kG, sums);
+    for (int g = 0; g < kG; ++g) {
+      scores[g * ctx + i] = sums[g];
+      scores[g * ctx + i + 1] = sums[kG + g];
+    }
+  }
+  if (i < n) {
+    const C* k0 = rows + i * stride;
+    for (int g = 0; g < kG; ++g) a[g] = Vec(0.f);
+    for (int r = 0; r < vecs; ++r) {
+      const Vec x0 = widen(k0 + r * kLanes);
+      for (int g = 0; g < kG; ++g) a[g] = at::vec::fmadd(Vec::loadu(q + g * d + r * kLanes), x0, a[g]);
+    }
+    reduce_each(a, kG, sums);
+    for (int g = 0; g < kG; ++g) scores[g * ctx + i] = sums[g];
   }
 }
 
-// acc[0:kRegs * kLanes] += sum_i w[i] * rows[i], the accumulator held in registers.
-template <int kRegs, typename T>
-inline void weighted_rows_chunk(const float* w, const T* rows, int64_t stride, int64_t n,
-                                float* acc) {
-  Vec a[kRegs];
-  for (int r = 0; r < kRegs; ++r) a[r] = Vec::loadu(acc + r * kLanes);
+// acc[g * d + j] += sum_i w[g * ctx + i] * rows[i][j] for kG heads, j in [0, kRegs * kLanes):
+// each value loaded and widened once for all heads, the accumulators held in registers.
+template <int kG, int kRegs, typename C>
+inline void head_weighted_rows_chunk(const float* w, int64_t ctx, const C* rows, int64_t stride,
+                                     int64_t n, float* acc, int d) {
+  Vec a[kG][kRegs];
+  for (int g = 0; g < kG; ++g)
+    for (int r = 0; r < kRegs; ++r) a[g][r] = Vec::loadu(acc + g * d + r * kLanes);
   for (int64_t i = 0; i < n; ++i) {
-    const Vec wi(w[i]);
-    const T* v = rows + i * stride;
-    for (int r = 0; r < kRegs; ++r) a[r] = at::vec::fmadd(wi, widen(v + r * kLanes), a[r]);
+    const C* v = rows + i * stride;
+    Vec wi[kG];
+    for (int g = 0; g < kG; ++g) wi[g] = Vec(w[g * ctx + i]);
+    for (int r = 0; r < kRegs; ++r) {
+      const Vec x = widen(v + r * kLanes);
+      for (int g = 0; g < kG; ++g) a[g][r] = at::vec::fmadd(wi[g], x, a[g][r]);
+    }
   }
-  for (int r = 0; r < kRegs; ++r) a[r].store(acc + r * kLanes);
+  for (int g = 0; g < kG; ++g)
+    for (int r = 0; r < kRegs; ++r) a[g][r].store(acc + g * d + r * kLanes);
 }
 
-// acc[0:d] += sum_i w[i] * rows[i] for n rows: acc is loaded and stored once per call (a
-// block), not once per row.
-template <typename T>
-inline void weighted_rows(const float* w, const T* rows, int64_t stride, int64_t n, float* acc,
-                          int d) {
-  constexpr int kRegs = 8;
+// acc[g, 0:d] += sum_i w[g, i] * rows[i] for kG heads and n rows: d in chunks whose kG x kRegs
+// accumulators fit the 16 vector registers.
+template <int kG, typename C>
+inline void head_weighted_rows(const float* w, int64_t ctx, const C* rows, int64_t stride,
+                               int64_t n, float* acc, int d) {
+  constexpr int kRegs = kG == 1 ? 8 : kG == 2 ? 6 : kG == 3 ? 4 : 3;
   int j = 0;
   for (; j + kRegs * kLanes <= d; j += kRegs * kLanes) {
-    weighted_rows_chunk<kRegs>(w, rows + j, stride, n, acc + j);
+    head_weighted_rows_chunk<kG, kRegs>(w + 0, ctx, rows + j, stride, n, acc + j, d);
   }
-  for (; j < d; j += kLanes) weighted_rows_chunk<1>(w, rows + j, stride, n, acc + j);
+  for (; j < d; j += kLanes) head_weighted_rows_chunk<kG, 1>(w, ctx, rows + j, stride, n, acc + j, d);
 }
 
 // p = exp(s - max(s)) in place over n scores; returns sum(p).
@@ -161,65 +220,100 @@ inline float softmax_numerators(float* s, int64_t n) {
   return sum;
 }
 
+// Scores of kG query heads (qf: [kG, d], scaled) against a row's keys: scores [kG, ctx].
+// While it reads a block's keys it prefetches the next block's keys and this block's values,
+// which the value pass then finds in cache.
+template <int kG, int kD, typename C>
+void score_pass(const float* qf, const C* k_cache, const C* v_cache, const float* k_scales,
+                const int64_t* table, int64_t ctx, int64_t kvh, const Shapes& s, int d,
+                float* scores) {
+  const int64_t bs = s.block_size, token_stride = s.kv_heads * d;
+  for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
+    const int64_t block = table[t0 / bs], n = std::min(bs, ctx - t0);
+    const int64_t base = (block * bs * s.kv_heads + kvh) * d;
+    for (int64_t a = (t0 == 0 ? 1 : kAhead); a <= kAhead; ++a) {
+      if (t0 + a * bs >= ctx) break;
+      const int64_t next = (table[t0 / bs + a] * bs * s.kv_heads + kvh) * d;
+      prefetch_rows(k_cache + next, token_stride, std::min(bs, ctx - t0 - a * bs), d);
+    }
+    prefetch_rows(v_cache + base, token_stride, n, d);
+    head_dots<kG, kD>(qf, k_cache + base, token_stride, n, scores + t0, ctx, d);
+    if (k_scales != nullptr) {
+      const float* ks = k_scales + block * bs * s.kv_heads + kvh;
+      for (int64_t g = 0; g < kG; ++g)
+        for (int64_t i = 0; i < n; ++i) scores[g * ctx + t0 + i] *= ks[i * s.kv_heads];
+    }
+  }
+}
+
+// acc [kG, d] = sum_t p[g, t] v[t] for kG heads' softmax numerators p (scores, [kG, ctx]);
+// with an 8-bit cache each weight is first multiplied by its value's scale, in place.
+template <int kG, typename C>
+void value_pass(float* p, const C* v_cache, const float* v_scales, const int64_t* table,
+                int64_t ctx, int64_t kvh, const Shapes& s, int d, float* acc) {
+  const int64_t bs = s.block_size, token_stride = s.kv_heads * d;
+  std::fill(acc, acc + kG * d, 0.f);
+  for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
+    const int64_t block = table[t0 / bs], n = std::min(bs, ctx - t0);
+    if (v_scales != nullptr) {
+      const float* vs = v_scales + block * bs * s.kv_heads + kvh;
+      for (int64_t g = 0; g < kG; ++g)
+        for (int64_t i = 0; i < n; ++i) p[g * ctx + t0 + i] *= vs[i * s.kv_heads];
+    }
+    head_weighted_rows<kG>(p + t0, ctx, v_cache + (block * bs * s.kv_heads + kvh) * d,
+                           token_stride, n, acc, d);
+  }
+}
+
 // kD > 0 fixes head_dim at compile time so the inner loops unroll; kD == 0 reads it at run
 // time.
 // An 8-bit cache (C = int8_t or Fp8) comes with float scales per (slot, kv head): a key's
 // scale multiplies its scores, a value's its softmax weight.
+template <int kG, typename T, typename C, int kD>
+void attend_heads(int64_t row, int64_t kvh, int64_t g0, const Shapes& s, float scale,
+                  const T* q, const C* k_cache, const C* v_cache, const float* k_scales,
+                  const float* v_scales, const int64_t* table, int64_t ctx, T* out,
+                  std::vector<float>& scratch) {
+  const int d = kD > 0 ? kD : static_cast<int>(s.head_dim);
+  const int64_t group = s.heads / s.kv_heads;
+  // scratch: q * scale [kG, D] | acc [kG, D] | scores [kG, ctx]
+  scratch.resize(2 * kG * d + kG * ctx);
+  float* qf = scratch.data();
+  float* acc = qf + kG * d;
+  float* scores = acc + kG * d;
+  for (int64_t g = 0; g < kG; ++g) {
+    const T* qg = q + row * s.q_row + (kvh * group + g0 + g) * s.q_head;
+    for (int j = 0; j < d; ++j) qf[g * d + j] = static_cast<float>(qg[j]) * scale;
+  }
+  score_pass<kG, kD>(qf, k_cache, v_cache, k_scales, table, ctx, kvh, s, d, scores);
+  float inv_sum[kG];
+  for (int64_t g = 0; g < kG; ++g) inv_sum[g] = 1.f / softmax_numerators(scores + g * ctx, ctx);
+  value_pass<kG>(scores, v_cache, v_scales, table, ctx, kvh, s, d, acc);
+  for (int64_t g = 0; g < kG; ++g) {
+    T* o = out + (row * s.heads + kvh * group + g0 + g) * d;
+    for (int j = 0; j < d; ++j) o[j] = static_cast<T>(acc[g * d + j] * inv_sum[g]);
+  }
+}
+
+// One work item: the G = H / KVH query heads of one (row, kv head), kMaxHeads at a time.
 template <typename T, typename C, int kD>
 void attend_one(int64_t row, int64_t kvh, const Shapes& s, float scale, const T* q,
                 const C* k_cache, const C* v_cache, const float* k_scales,
                 const float* v_scales, const int64_t* tables, int64_t ctx, T* out,
                 std::vector<float>& scratch) {
-  const int d = kD > 0 ? kD : static_cast<int>(s.head_dim);
-  const int64_t group = s.heads / s.kv_heads, bs = s.block_size;
-  const int64_t token_stride = s.kv_heads * d;  // between consecutive slots of a block
+  const int64_t group = s.heads / s.kv_heads;
   const int64_t* table = tables + row * s.max_blocks;
-
-  // scratch: q * scale [G, D] | acc [G, D] | 1 / softmax sum [G] | scores [G, ctx] |
-  // a block's scaled weights [block_size]
-  scratch.resize(2 * group * d + group + group * ctx + bs);
-  float* qf = scratch.data();
-  float* acc = qf + group * d;
-  float* inv_sum = acc + group * d;
-  float* scores = inv_sum + group;
-  float* weights = scores + group * ctx;
-  for (int64_t g = 0; g < group; ++g) {
-    const T* qg = q + row * s.q_row + (kvh * group + g) * s.q_head;
-    for (int j = 0; j < d; ++j) qf[g * d + j] = static_cast<float>(qg[j]) * scale;
-  }
-
-  for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
-    const C* kb = k_cache + (table[t0 / bs] * bs * s.kv_heads + kvh) * d;
-    const int64_t n = std::min(bs, ctx - t0);
-    for (int64_t g = 0; g < group; ++g) {
-      dots<kD>(qf + g * d, kb, token_stride, n, scores + g * ctx + t0, d);
-      if (k_scales != nullptr) {
-        const float* ks = k_scales + table[t0 / bs] * bs * s.kv_heads + kvh;
-        for (int64_t i = 0; i < n; ++i) scores[g * ctx + t0 + i] *= ks[i * s.kv_heads];
-      }
+  for (int64_t g0 = 0; g0 < group; g0 += kMaxHeads) {
+    const auto heads = [&](auto kg) {
+      attend_heads<decltype(kg)::value, T, C, kD>(row, kvh, g0, s, scale, q, k_cache, v_cache,
+                                                 k_scales, v_scales, table, ctx, out, scratch);
+    };
+    switch (std::min<int64_t>(kMaxHeads, group - g0)) {
+      case 1: heads(std::integral_constant<int, 1>{}); break;
+      case 2: heads(std::integral_constant<int, 2>{}); break;
+      case 3: heads(std::integral_constant<int, 3>{}); break;
+      default: heads(std::integral_constant<int, 4>{}); break;
     }
-  }
-
-  for (int64_t g = 0; g < group; ++g) inv_sum[g] = 1.f / softmax_numerators(scores + g * ctx, ctx);
-
-  std::fill(acc, acc + group * d, 0.f);
-  for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
-    const C* vb = v_cache + (table[t0 / bs] * bs * s.kv_heads + kvh) * d;
-    const int64_t n = std::min(bs, ctx - t0);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* w = scores + g * ctx + t0;
-      if (v_scales != nullptr) {
-        const float* vs = v_scales + table[t0 / bs] * bs * s.kv_heads + kvh;
-        for (int64_t i = 0; i < n; ++i) weights[i] = w[i] * vs[i * s.kv_heads];
-        w = weights;
-      }
-      weighted_rows(w, vb, token_stride, n, acc + g * d, d);
-    }
-  }
-
-  for (int64_t g = 0; g < group; ++g) {
-    T* o = out + (row * s.heads + kvh * group + g) * d;
-    for (int j = 0; j < d; ++j) o[j] = static_cast<T>(acc[g * d + j] * inv_sum[g]);
   }
 }
 
