@@ -75,12 +75,18 @@ def cases(b, q, ctx, dtype):
     def all_rows_at_once():  # before QUERY_BLOCK
         return _grouped_attention(qt, gather(kc), gather(vc), mask, scale)
 
+    fused = kernels.fused()
     fns = {
         "index_select + grouped matmul": tandem,
+        "  the same, C++ softmax (kernels/fused.cpp)": lambda: grouped_attention(
+            qt, gather(kc), gather(vc), mask, scale, softmax=fused.masked_softmax_
+        ),
         "  the same, all query rows at once": all_rows_at_once,
         "index_select + sdpa enable_gqa": sdpa,
         "cache[block_tables] + grouped matmul": advanced_index_gather,
     }
+    if fused is None or dtype != torch.bfloat16:  # the C++ softmax is for bf16 scores
+        del fns["  the same, C++ softmax (kernels/fused.cpp)"]
     decode = kernels.paged_decode_attention()
     if q == 1 and decode is not None:
         lens = torch.full((b,), ctx)

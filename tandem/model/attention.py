@@ -14,6 +14,7 @@ gather: a C++ kernel (tandem/model/kernels) reads K and V through the block tabl
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -145,11 +146,14 @@ class PagedAttention(nn.Module):
         return out[g.scatter_index] if g.scatter_index is not None else out
 
 
-def attention_fn(dtype: torch.dtype, device: torch.device):
+def attention_fn(dtype: torch.dtype, device: torch.device, fused=None):
     """The faster formulation for this dtype and device, as measured by
     benchmarks/attention_backends.py: torch's fused SDPA, except for bf16 on the CPU, where
-    it is pathological for single-token queries and two grouped matmuls win."""
+    it is pathological for single-token queries and two grouped matmuls win; between them,
+    with the C++ kernels (`fused`, kernels/fused.cpp), one pass for the softmax."""
     if device.type == "cpu" and dtype != torch.float32:
+        if dtype == torch.bfloat16 and fused is not None:
+            return functools.partial(grouped_attention, softmax=fused.masked_softmax_)
         return grouped_attention
     return sdpa_attention
 
@@ -175,9 +179,10 @@ def sdpa_attention(q, k, v, mask, scale):
 SCORES_BYTES = 8 << 20
 
 
-def grouped_attention(q, k, v, mask, scale):
+def grouped_attention(q, k, v, mask, scale, softmax=None):
     """Softmax attention with query heads grouped under their KV head (GQA) as two batched
-    matmuls, softmax in float32.
+    matmuls, softmax in float32: torch's ops, or `softmax(scores, mask, scale)` in place on
+    the bf16 scores (kernels/fused.cpp's masked_softmax_: the same steps in one pass).
 
     q: [B, Q, H, D]; k, v: [B, L, KVH, D]; mask: [B, Q, L] bool. Returns [B, Q, H, D].
     """
@@ -185,20 +190,25 @@ def grouped_attention(q, k, v, mask, scale):
     rows = max(16, SCORES_BYTES // (4 * b * h * k.shape[1]))
     if qlen > rows:
         return torch.cat([_grouped_attention(q[:, i : i + rows], k, v, mask[:, i : i + rows],
-                                             scale)
+                                             scale, softmax)
                           for i in range(0, qlen, rows)], dim=1)  # fmt: skip
-    return _grouped_attention(q, k, v, mask, scale)
+    return _grouped_attention(q, k, v, mask, scale, softmax)
 
 
-def _grouped_attention(q, k, v, mask, scale):
+def _grouped_attention(q, k, v, mask, scale, softmax=None):
     b, qlen, h, d = q.shape
     kvh = k.shape[2]
     group = h // kvh
     # [B, KVH, G*Q, D]: query head i attends with KV head i // G, as transformers' repeat_kv.
     qg = q.view(b, qlen, kvh, group, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, group * qlen, d)
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * scale  # [B, KVH, G*Q, L]
-    scores = scores.view(b, kvh, group, qlen, -1).float()
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, kvh, group * qlen, -1)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1))  # [B, KVH, G*Q, L]
+    if softmax is not None:
+        scores = scores.view(b, kvh, group, qlen, -1)
+        softmax(scores, mask.contiguous(), scale)
+        probs = scores.view(b, kvh, group * qlen, -1)
+    else:
+        scores = (scores * scale).view(b, kvh, group, qlen, -1).float()
+        scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, kvh, group * qlen, -1)
     out = torch.matmul(probs, v.transpose(1, 2))  # [B, KVH, G*Q, D]
     return out.view(b, kvh, group, qlen, d).permute(0, 3, 1, 2, 4).reshape(b, qlen, h, d)

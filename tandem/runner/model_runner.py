@@ -71,7 +71,7 @@ class ModelRunner:
         self.kv_scales = (
             None if kv_cache_dtype == "auto" else zeroed_pool(shape[:-1], torch.float32, device)
         )
-        attend = attention_fn(dtype, device)
+        attend = attention_fn(dtype, device, fused)
         # On the CPU, decodes skip the KV gather: a C++ kernel reads the paged cache in place
         # (built on first use, ~40 s once; None where it cannot be built), an 8-bit cache too.
         decode_kernel = (

@@ -2,7 +2,7 @@
 every op equal to the bit, in float32 and bf16, at any row count and on strided inputs; a
 whole model's tokens and logprobs unchanged by binding them; and the decode stack (a
 decode-only step's layers in one C++ call) equal to the Python layers, bound only where it
-can be."""
+can be. The grouped attention's softmax is the exception: within an ulp of bf16."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.model.attention import grouped_attention
 from tandem.model.layers import (
     FUSED_ACT_MAX_ROWS,
     FUSED_ROPE_MAX_ROWS,
@@ -153,6 +154,94 @@ def _generate(path: str, dtype: str, fused) -> list:
 def test_a_model_generates_the_same_tokens_and_logprobs_with_and_without_the_fused_kernels(fused, checkpoints, arch, dtype):  # fmt: skip
     path = str(checkpoints[arch])
     assert _generate(path, dtype, fused) == _generate(path, dtype, None)
+
+
+def _scores_and_mask(b, q, keys, prefix: bool, seed=0):
+    """bf16 scores [b, 3, 2, q, keys] and a mask [b, q, keys]: causal rows after a cached
+    prefix of a different length per row (each row's visible keys a prefix), or not."""
+    g = torch.Generator().manual_seed(seed)
+    scores = (torch.randn(b, 3, 2, q, keys, generator=g) * 8).to(torch.bfloat16)
+    start = torch.tensor([keys - q - 3 * i for i in range(b)])
+    mask = torch.arange(keys)[None, None, :] <= (start[:, None] + torch.arange(q))[:, :, None]
+    if not prefix:  # a window: keys too far back hidden as well
+        mask &= torch.arange(keys)[None, None, :] > (start[:, None] + torch.arange(q) - 40)[:, :, None]  # fmt: skip
+    return scores, mask
+
+
+def _torch_softmax(scores, mask, scale):  # grouped_attention's own ops
+    s = (scores * scale).float().masked_fill(~mask[:, None, None], float("-inf"))
+    return torch.softmax(s, dim=-1).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("prefix", [True, False], ids=["causal", "window"])
+@pytest.mark.parametrize("b,q,keys", [(1, 1, 1), (2, 5, 77), (3, 64, 300), (1, 16, 1000)])
+def test_the_softmax_is_the_torch_paths_within_an_ulp_and_hidden_keys_are_zero(fused, b, q, keys, prefix):  # fmt: skip
+    scores, mask = _scores_and_mask(b, q, keys, prefix)
+    want = _torch_softmax(scores, mask, 0.125)
+    got = scores.clone()
+    fused.masked_softmax_(got, mask, 0.125)
+    ulp = want.float().abs() * 2**-7  # bf16 keeps 8 significant bits
+    assert ((got.float() - want.float()).abs() <= ulp).all()
+    assert (got == want).float().mean() > 0.99  # mostly the very same numbers
+    assert (got.float()[~mask[:, None, None].expand_as(got)] == 0).all()
+
+
+def test_a_row_that_sees_no_key_is_nan_as_torchs_softmax(fused):
+    scores, mask = _scores_and_mask(1, 4, 20, True)
+    mask[0, 2] = False
+    got = scores.clone()
+    fused.masked_softmax_(got, mask, 0.125)
+    assert got[0, :, :, 2].isnan().all() and not got[0, :, :, [0, 1, 3]].isnan().any()
+    assert _torch_softmax(scores, mask, 0.125)[0, :, :, 2].isnan().all()
+
+
+def test_the_softmax_refuses_what_it_does_not_compute(fused):
+    scores, mask = _scores_and_mask(1, 4, 20, True)
+    with pytest.raises(RuntimeError, match="bf16"):
+        fused.masked_softmax_(scores.float(), mask, 0.125)
+    with pytest.raises(RuntimeError, match="mask"):
+        fused.masked_softmax_(scores, mask[:, :2], 0.125)
+
+
+def test_grouped_attention_with_the_fused_softmax_is_attention_and_blocks_give_the_whole(fused, monkeypatch):  # fmt: skip
+    from tandem.model import attention
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 90, 6, 32, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(2, 200, 2, 32, generator=g).to(torch.bfloat16) for _ in "kv")
+    start = torch.tensor([110, 100])
+    mask = torch.arange(200)[None, None, :] <= (start[:, None] + torch.arange(90))[:, :, None]
+    whole = attention._grouped_attention(q, k, v, mask, 0.2, fused.masked_softmax_)
+    monkeypatch.setattr(attention, "SCORES_BYTES", 4 * 2 * 6 * 200 * 16)  # blocks of 16 rows
+    blocked = grouped_attention(q, k, v, mask, 0.2, fused.masked_softmax_)
+    assert torch.equal(blocked, whole)
+    ref = grouped_attention(q, k, v, mask, 0.2)  # torch's softmax
+    torch.testing.assert_close(blocked, ref, atol=2e-2, rtol=2e-2)
+
+
+def _bf16_generate(path: str, fused_softmax: bool) -> list:
+    """Greedy tokens and top-3 logprobs on a fresh engine (nothing cached between runs)."""
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory=0.01)
+    layers = llm.engine.runner.model.attention_layers()
+    assert "softmax" in layers[0].attend.keywords  # the runner bound the kernel
+    if not fused_softmax:
+        for layer in layers:
+            layer.attend = grouped_attention
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
+    prompts = [[5, 17, 42, 99, 7, 3, 250, 11] * 5, [300, 12], [64] * 33]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_bf16_model_keeps_its_greedy_tokens_with_the_fused_softmax(fused, checkpoints, arch):
+    path = str(checkpoints[arch])
+    with_kernel, without = _bf16_generate(path, True), _bf16_generate(path, False)
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(with_kernel, without):
+        assert tokens == ref_tokens
+        for got, want in zip(lps, ref_lps):
+            assert got.keys() == want.keys()
+            assert max(abs(got[t].logprob - lp.logprob) for t, lp in want.items()) < 1e-2
 
 
 class CountingStack:

@@ -6,7 +6,8 @@
 // Each computes what the torch path computes, in the same precision at each step: inputs
 // widened to float, every intermediate the torch path rounds to the model's dtype rounded to
 // it here too (bf16 products, sums), and RMSNorm sums in the order of torch's sum kernel: the
-// results equal the torch path's bit for bit (tests/model/test_fused_kernels.py).
+// results equal the torch path's bit for bit (tests/model/test_fused_kernels.py). The one
+// exception is masked_softmax_, within an ulp of bf16 of torch's softmax (see there).
 //
 // rms_norm(x, weight, eps, lanes) -> out:             weight * (x / rms(x)), x [T, H]
 // add_rms_norm(x, residual, weight, eps, lanes) -> out: residual += x (in place), then the norm
@@ -16,6 +17,7 @@
 //                                                     place; x [T, heads, D] (rows strided),
 //                                                     cos, sin [T, 1, D] (sin signed)
 // silu_and_mul(x) -> out:                             silu(x[:, :I]) * x[:, I:], x [T, 2I]
+// masked_softmax_(scores, mask, scale):              a grouped attention's softmax, in place
 // write_kv(k_cache, v_cache, slots, k, v):            cache.view(-1, KVH, D)[slots[t]] = k[t]
 //                                                     (and v), k, v [T, KVH, D] (rows strided)
 //
@@ -46,6 +48,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -339,6 +342,76 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
   }
 }
 
+// softmax(where(mask, bf16(s * scale), -inf)) in float over each row of a grouped attention's
+// bf16 scores, rounded back to bf16, in place: the torch path's five passes over the scores
+// (scale, widen, mask, softmax, narrow) in one. scores [B, KVH, G, Q, L], mask [B, Q, L] bool.
+// Not torch's softmax to the bit (its sum runs in its own lane order, its exp is Sleef's u10;
+// this one is exp_u20, as the decode kernel's), so within an ulp of bf16 of it; every row
+// depends on its own scores only, so blocks of query rows still give the whole's result.
+// How many keys a row sees when its mask is a prefix [0, n), as causal masks are; -1 if not.
+inline int64_t visible_prefix(const bool* m, int64_t len) {
+  const void* hidden = std::memchr(m, 0, len);  // glibc's memchr: vectorized
+  const int64_t n = hidden == nullptr ? len : static_cast<const bool*>(hidden) - m;
+  return n == len || std::memchr(m + n, 1, len - n) == nullptr ? n : -1;
+}
+
+// One row of masked_softmax_. A prefix row computes its n visible scores only (vectorized:
+// scale, round to bf16, max) and writes zeros past them; any other mask goes key by key.
+void softmax_row(at::BFloat16* row, const bool* m, int64_t len, float sc, float* buf) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  int64_t n = visible_prefix(m, len);
+  if (n < 0) {  // not a prefix: every key, the hidden ones -inf
+    load(buf, row, len);
+    for (int64_t i = 0; i < len; ++i) buf[i] *= sc;
+    round_to<at::BFloat16>(buf, len);  // the torch path's bf16 `scores * scale`
+    for (int64_t i = 0; i < len; ++i)
+      if (!m[i]) buf[i] = kNegInf;
+    n = len;
+  } else {
+    const fvec vsc(sc);
+    int64_t i = 0;
+    for (; i + bvec::size() <= n; i += bvec::size()) {
+      auto [lo, hi] = at::vec::convert_bfloat16_float(bvec::loadu(row + i));
+      auto [a, b] = at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(lo * vsc, hi * vsc));
+      a.store(buf + i);
+      b.store(buf + i + fvec::size());
+    }
+    for (; i < n; ++i)
+      buf[i] = static_cast<float>(static_cast<at::BFloat16>(static_cast<float>(row[i]) * sc));
+  }
+  if (n == 0) {  // nothing visible: NaN, as torch's softmax of all -inf
+    std::fill(row, row + len, static_cast<at::BFloat16>(std::numeric_limits<float>::quiet_NaN()));
+    return;
+  }
+  const float inv = 1.f / softmax_numerators(buf, n);  // the decode kernel's exp and sum
+  const fvec vinv(inv);
+  int64_t i = 0;
+  for (; i + fvec::size() <= n; i += fvec::size()) (fvec::loadu(buf + i) * vinv).store(buf + i);
+  for (; i < n; ++i) buf[i] *= inv;
+  store(row, buf, n);
+  std::fill(row + n, row + len, static_cast<at::BFloat16>(0.f));
+}
+
+void masked_softmax_(at::Tensor& scores, const at::Tensor& mask, double scale) {
+  TORCH_CHECK(scores.dim() == 5 && scores.is_contiguous() &&
+                  scores.scalar_type() == at::kBFloat16,
+              "scores must be contiguous bf16 [B, KVH, G, Q, L]");
+  const int64_t b = scores.size(0), heads = scores.size(1) * scores.size(2);
+  const int64_t q = scores.size(3), len = scores.size(4);
+  TORCH_CHECK(mask.dim() == 3 && mask.is_contiguous() && mask.scalar_type() == at::kBool &&
+                  mask.size(0) == b && mask.size(1) == q && mask.size(2) == len,
+              "mask must be contiguous bool [B, Q, L]");
+  at::BFloat16* base = scores.data_ptr<at::BFloat16>();
+  const bool* visible = mask.data_ptr<bool>();
+  const float sc = static_cast<float>(scale);
+  for_rows(b * heads * q, len, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(len);
+    for (int64_t r = begin; r < end; ++r)
+      softmax_row(base + r * len, visible + ((r / (heads * q)) * q + r % q) * len, len, sc,
+                  buf.data());
+  });
+}
+
 // One int4 projection as model/quant.py's Int4Linear computes it: the sum of its terms'
 // matmuls on bf16 activations, cut to its output width, cast back, plus its bias.
 struct Int4Projection {
@@ -439,6 +512,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sum_squares", &sum_squares_with, "sum(x * x) in torch's order with this many lanes");
   m.def("rope_", &rope_, "rotate-half RoPE in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
+  m.def("masked_softmax_", &masked_softmax_, "scale, mask, softmax, in place (CPU, bf16)");
   m.def("write_kv", &write_kv, "this step's K and V into their cache slots (CPU)");
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor, int64_t>())

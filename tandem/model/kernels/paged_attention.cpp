@@ -198,11 +198,14 @@ inline void head_weighted_rows(const float* w, int64_t ctx, const C* rows, int64
 
 // p = exp(s - max(s)) in place over n scores; returns sum(p).
 inline float softmax_numerators(float* s, int64_t n) {
-  float m = s[0];
-  for (int64_t t = 1; t < n; ++t) m = std::max(m, s[t]);
+  Vec vmax(s[0]);
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes) vmax = at::vec::maximum(vmax, Vec::loadu(s + t));
+  float m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
+  for (; t < n; ++t) m = std::max(m, s[t]);
   const Vec vm(m);
   Vec vsum(0.f);
-  int64_t t = 0;
+  t = 0;
   for (; t + kLanes <= n; t += kLanes) {
     const Vec p = (Vec::loadu(s + t) - vm).exp_u20();
     p.store(s + t);
