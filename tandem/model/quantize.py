@@ -9,13 +9,14 @@ import ctypes
 import json
 import logging
 import os
+import zlib
 from collections import Counter
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from tandem.model.gguf_quant import tensor_terms
+from tandem.model.gguf_quant import BLOCK_BYTES, tensor_terms
 from tandem.model.packed_linear import packing_available
 from tandem.model.quant import (
     Int4Linear,
@@ -121,8 +122,10 @@ def _gguf_layers(cfg, path: Path) -> dict[str, tuple]:
 
     from tandem.model.gguf import gguf_as_hf_folder
 
-    # a subfolder: the float loader reads every *.safetensors at the top
-    cache = gguf_as_hf_folder(path) / "int4" / f"torch-{torch.__version__}.safetensors"
+    # a subfolder: the float loader reads every *.safetensors at the top; named for the
+    # block types read, so a tandem that reads more of them builds it anew
+    types = zlib.crc32(" ".join(sorted(BLOCK_BYTES)).encode())
+    cache = gguf_as_hf_folder(path) / "int4" / f"torch-{torch.__version__}-{types:08x}.safetensors"
     if not cache.exists():
         cache.parent.mkdir(exist_ok=True)
         specs = _read_gguf_layers(cfg, path)

@@ -102,29 +102,55 @@ def _fake_tensor(kind: str, w: np.ndarray):
     return SimpleNamespace(tensor_type=t, shape=[w.shape[1], w.shape[0]], data=quantize(w, t))
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def _random_k_blocks(kind: str, rows: int, cols: int, seed=0):
+    """A K-quant tensor of random super-blocks (gguf-py cannot quantize to K-quants; any bytes
+    are a valid block once d and dmin are finite): f16 d and dmin in [1e-3, 2e-2)."""
+    from gguf import GGMLQuantizationType
+
+    t = GGMLQuantizationType[kind]
+    per_block, block_bytes = {"Q4_K": (256, 144), "Q5_K": (256, 176)}[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // per_block, block_bytes), dtype=np.uint8)
+    for at in (0, 2):  # d, dmin
+        f16 = rng.uniform(1e-3, 2e-2, size=raw.shape[:2]).astype(np.float16)
+        raw[..., at : at + 2] = f16[..., None].view(np.uint8)
+    return SimpleNamespace(tensor_type=t, shape=[cols, rows], data=raw.reshape(rows, -1))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K"])
 def test_gguf_blocks_become_int4_terms_with_the_same_numbers(kind):
     """Before the bf16 packing, the terms reproduce gguf's own dequantization exactly."""
     from gguf.quants import dequantize
 
-    w = np.random.default_rng(0).standard_normal((64, 96)).astype(np.float32)
-    tensor = _fake_tensor(kind, w)
+    if kind.endswith("_K"):
+        tensor = _random_k_blocks(kind, 64, 512)
+    else:
+        w = np.random.default_rng(0).standard_normal((64, 96)).astype(np.float32)
+        tensor = _fake_tensor(kind, w)
     ref = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).astype(np.float32))
     terms = tensor_terms(tensor)
-    assert len(terms) == (2 if kind == "Q8_0" else 1)
+    assert len(terms) == (2 if kind in ("Q8_0", "Q5_0", "Q5_1", "Q5_K") else 1)
     got = sum(
         (q.float() - 8) * s.repeat_interleave(32, 1) + z.repeat_interleave(32, 1)
         for q, s, z in terms
     )
     assert torch.equal(got, ref)
     # packed with bf16 scales: the same weights up to the scales' rounding
-    layer = Int4Linear(96, 64, [int4_term(*t) for t in terms], kind)
+    layer = Int4Linear(ref.shape[1], 64, [int4_term(*t) for t in terms], kind)
     assert (layer.dequantize() - ref).abs().max() <= 2**-7 * ref.abs().max()
+    # and the layer computes with them, on the int4 kernel and on the many-row path
+    for rows in (1, 300):
+        x = torch.randn(rows, ref.shape[1], generator=torch.Generator().manual_seed(rows))
+        assert _close(layer(x.bfloat16()), x @ layer.dequantize().float().T)
 
 
 def test_gguf_types_without_terms_are_left_to_the_float_path():
+    from gguf import GGMLQuantizationType
+
     w = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)
     assert tensor_terms(_fake_tensor("F16", w)) is None
+    q6_k = SimpleNamespace(tensor_type=GGMLQuantizationType.Q6_K, shape=[256, 32], data=None)
+    assert tensor_terms(q6_k) is None  # its groups of 16: torch's int4 kernel takes 32 and up
 
 
 def test_the_default_model_runs_on_its_gguf_blocks_and_follows_the_float_path():
