@@ -342,12 +342,6 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
   }
 }
 
-// softmax(where(mask, bf16(s * scale), -inf)) in float over each row of a grouped attention's
-// bf16 scores, rounded back to bf16, in place: the torch path's five passes over the scores
-// (scale, widen, mask, softmax, narrow) in one. scores [B, KVH, G, Q, L], mask [B, Q, L] bool.
-// Not torch's softmax to the bit (its sum runs in its own lane order, its exp is Sleef's u10;
-// this one is exp_u20, as the decode kernel's), so within an ulp of bf16 of it; every row
-// depends on its own scores only, so blocks of query rows still give the whole's result.
 // How many keys a row sees when its mask is a prefix [0, n), as causal masks are; -1 if not.
 inline int64_t visible_prefix(const bool* m, int64_t len) {
   const void* hidden = std::memchr(m, 0, len);  // glibc's memchr: vectorized
@@ -355,43 +349,40 @@ inline int64_t visible_prefix(const bool* m, int64_t len) {
   return n == len || std::memchr(m + n, 1, len - n) == nullptr ? n : -1;
 }
 
-// One row of masked_softmax_. A prefix row computes its n visible scores only (vectorized:
-// scale, round to bf16, max) and writes zeros past them; any other mask goes key by key.
+// One row of masked_softmax_. A prefix row computes its n visible keys only and writes zeros
+// past them; any other mask computes every key, the hidden ones -inf.
 void softmax_row(at::BFloat16* row, const bool* m, int64_t len, float sc, float* buf) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  int64_t n = visible_prefix(m, len);
-  if (n < 0) {  // not a prefix: every key, the hidden ones -inf
-    load(buf, row, len);
-    for (int64_t i = 0; i < len; ++i) buf[i] *= sc;
-    round_to<at::BFloat16>(buf, len);  // the torch path's bf16 `scores * scale`
-    for (int64_t i = 0; i < len; ++i)
-      if (!m[i]) buf[i] = kNegInf;
-    n = len;
-  } else {
-    const fvec vsc(sc);
-    int64_t i = 0;
-    for (; i + bvec::size() <= n; i += bvec::size()) {
-      auto [lo, hi] = at::vec::convert_bfloat16_float(bvec::loadu(row + i));
-      auto [a, b] = at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(lo * vsc, hi * vsc));
-      a.store(buf + i);
-      b.store(buf + i + fvec::size());
-    }
-    for (; i < n; ++i)
-      buf[i] = static_cast<float>(static_cast<at::BFloat16>(static_cast<float>(row[i]) * sc));
-  }
+  const int64_t prefix = visible_prefix(m, len), n = prefix < 0 ? len : prefix;
   if (n == 0) {  // nothing visible: NaN, as torch's softmax of all -inf
     std::fill(row, row + len, static_cast<at::BFloat16>(std::numeric_limits<float>::quiet_NaN()));
     return;
   }
-  const float inv = 1.f / softmax_numerators(buf, n);  // the decode kernel's exp and sum
-  const fvec vinv(inv);
+  // float(bf16(s * scale)), the torch path's bf16 `scores * scale`, in one vectorized pass
+  const fvec vsc(sc);
   int64_t i = 0;
-  for (; i + fvec::size() <= n; i += fvec::size()) (fvec::loadu(buf + i) * vinv).store(buf + i);
-  for (; i < n; ++i) buf[i] *= inv;
+  for (; i + bvec::size() <= n; i += bvec::size()) {
+    auto [lo, hi] = at::vec::convert_bfloat16_float(bvec::loadu(row + i));
+    auto [a, b] = at::vec::convert_bfloat16_float(at::vec::convert_float_bfloat16(lo * vsc, hi * vsc));
+    a.store(buf + i);
+    b.store(buf + i + fvec::size());
+  }
+  for (; i < n; ++i)
+    buf[i] = static_cast<float>(static_cast<at::BFloat16>(static_cast<float>(row[i]) * sc));
+  if (prefix < 0)
+    for (i = 0; i < n; ++i)
+      if (!m[i]) buf[i] = -std::numeric_limits<float>::infinity();
+  const float inv = 1.f / softmax_numerators(buf, n);  // the decode kernel's exp and sum
+  for (i = 0; i < n; ++i) buf[i] *= inv;
   store(row, buf, n);
   std::fill(row + n, row + len, static_cast<at::BFloat16>(0.f));
 }
 
+// softmax(where(mask, bf16(s * scale), -inf)) in float over each row of a grouped attention's
+// bf16 scores, rounded back to bf16, in place: the torch path's five passes over the scores
+// (scale, widen, mask, softmax, narrow) in one. scores [B, KVH, G, Q, L], mask [B, Q, L] bool.
+// Not torch's softmax to the bit (its sum runs in its own lane order, its exp is Sleef's u10;
+// this one is exp_u20, as the decode kernel's), so within an ulp of bf16 of it; every row
+// depends on its own scores only, so blocks of query rows still give the whole's result.
 void masked_softmax_(at::Tensor& scores, const at::Tensor& mask, double scale) {
   TORCH_CHECK(scores.dim() == 5 && scores.is_contiguous() &&
                   scores.scalar_type() == at::kBFloat16,

@@ -191,7 +191,7 @@ inline void head_weighted_rows(const float* w, int64_t ctx, const C* rows, int64
   constexpr int kRegs = kG == 1 ? 8 : kG == 2 ? 6 : kG == 3 ? 4 : 3;
   int j = 0;
   for (; j + kRegs * kLanes <= d; j += kRegs * kLanes) {
-    head_weighted_rows_chunk<kG, kRegs>(w + 0, ctx, rows + j, stride, n, acc + j, d);
+    head_weighted_rows_chunk<kG, kRegs>(w, ctx, rows + j, stride, n, acc + j, d);
   }
   for (; j < d; j += kLanes) head_weighted_rows_chunk<kG, 1>(w, ctx, rows + j, stride, n, acc + j, d);
 }
@@ -234,6 +234,8 @@ void score_pass(const float* qf, const C* k_cache, const C* v_cache, const float
   for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
     const int64_t block = table[t0 / bs], n = std::min(bs, ctx - t0);
     const int64_t base = (block * bs * s.kv_heads + kvh) * d;
+    // the first block starts the next kAhead on their way; each later one adds the block
+    // kAhead past it
     for (int64_t a = (t0 == 0 ? 1 : kAhead); a <= kAhead; ++a) {
       if (t0 + a * bs >= ctx) break;
       const int64_t next = (table[t0 / bs + a] * bs * s.kv_heads + kvh) * d;
