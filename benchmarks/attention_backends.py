@@ -3,7 +3,8 @@
 Times one layer of decode (single-token queries) and prefill (one long chunk) for the default
 model's head shapes, several ways, and prints each relative to the torch path tandem uses for
 the dtype (attention_fn). Decode also times the C++ kernel, which reads the paged cache in
-place (tandem/model/kernels; TANDEM_NO_CPP_KERNELS=1 leaves it out).
+place (tandem/model/kernels; TANDEM_NO_CPP_KERNELS=1 leaves it out), and bf16 prefill the
+C++ prefill kernel (causal pairs only, from the paged cache; AVX512-BF16 CPUs).
 
     python benchmarks/attention_backends.py [--dtype float32|bfloat16]
 """
@@ -87,6 +88,12 @@ def cases(b, q, ctx, dtype):
     }
     if fused is None or dtype != torch.bfloat16:  # the C++ softmax is for bf16 scores
         del fns["  the same, C++ softmax (kernels/fused.cpp)"]
+    prefill = kernels.prefill_attention()
+    if q > 1 and prefill is not None and dtype == torch.bfloat16:
+        starts, lens = torch.full((b,), start), torch.full((b,), q)
+        fns["C++ prefill kernel (no gather, causal pairs only)"] = lambda: prefill(
+            qt, kc, vc, bt, starts, lens, scale
+        )
     decode = kernels.paged_decode_attention()
     if q == 1 and decode is not None:
         lens = torch.full((b,), ctx)
@@ -134,13 +141,15 @@ def main():
         ("prefill", 1, 512, 512),
         ("prefill", 1, 512, 1024),
         ("prefill", 1, 512, 2048),
+        ("prefill", 8, 256, 256),
+        ("prefill", 1, 2048, 2048),
     ):
         fns = cases(b, q, ctx, dtype)
         times = best_ms(fns)
         base = times[torch_path]
         print(f"{label} batch={b} query={q} context={ctx} ({args.dtype}), ms per layer:")
         for k, t in times.items():
-            print(f"  {k:42s} {t:8.3f}  x{t / base:.2f}")
+            print(f"  {k:50s} {t:8.3f}  x{t / base:.2f}")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ class AttentionGroup:
     block_tables: torch.Tensor  # [B, num_blocks] long, null-padded
     mask: torch.Tensor  # [B, Q, L] bool: key visible to query
     context_lens: torch.Tensor  # [B] long: keys each row sees after this step
+    query_starts: torch.Tensor  # [B] long: position of each row's first query (CPU)
+    query_lens: torch.Tensor  # [B] long: each row's queries, the rest of Q padding (CPU)
     scatter_index: (
         torch.Tensor | None
     )  # [tokens] long: flat token -> padded B*Q slot (None: no padding)
@@ -81,6 +83,10 @@ class PagedAttention(nn.Module):
         # (q [B, H, D], k_cache, v_cache, block_tables, context_lens, scale) -> [B, H, D]:
         # attention for single-token rows straight from the paged cache, when the runner has one
         self.decode_kernel = None
+        # (q [B, Q, H, D], k_cache, v_cache, block_tables, starts, lens, scale) -> [B, Q, H, D]:
+        # causal attention for chunks straight from the paged cache (bf16 on AVX512-BF16 CPUs,
+        # kernels/prefill_attention.cpp), when the runner has one
+        self.prefill_kernel = None
         # [num_blocks, block_size, kv_heads, head_dim] each; bound by the runner.
         self.k_cache = self.v_cache = torch.empty(0)
         # With an 8-bit cache (kv_quant.py): [num_blocks, block_size, kv_heads] float32 scales
@@ -124,6 +130,12 @@ class PagedAttention(nn.Module):
             padded = q.new_zeros(b * qlen, h, d)
             padded[g.scatter_index] = q
             q = padded
+        if self.prefill_kernel is not None:
+            out = self.prefill_kernel(
+                q.view(b, qlen, h, d), self.k_cache, self.v_cache, g.block_tables,
+                g.query_starts, g.query_lens, self.scale,
+            ).view(b * qlen, h * d)  # fmt: skip
+            return out[g.scatter_index] if g.scatter_index is not None else out
         # index_select is ~4x faster than cache[block_tables] on the CPU
         flat = g.block_tables.view(-1)
         if self.k_scale is None:

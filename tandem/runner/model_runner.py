@@ -79,8 +79,17 @@ class ModelRunner:
             if device.type == "cpu" and cfg.head_dim % 8 == 0
             else None
         )
+        # Chunks too, in bf16 on CPUs with AVX512-BF16: each query computes only the keys it
+        # sees (the torch path computes every pair and masks half away); None elsewhere.
+        prefill_kernel = (
+            kernels.prefill_attention()
+            if device.type == "cpu" and dtype == torch.bfloat16 and kv_cache_dtype == "auto"
+            and cfg.head_dim % 16 == 0 and cfg.head_dim <= 128
+            else None
+        )  # fmt: skip
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+            attn.prefill_kernel = prefill_kernel
             if self.kv_scales is not None:
                 attn.k_scale, attn.v_scale = self.kv_scales[i, 0], self.kv_scales[i, 1]
             attn.layer_index = i

@@ -224,8 +224,9 @@ def _bf16_generate(path: str, fused_softmax: bool) -> list:
     llm = LLM(path, dtype="bfloat16", kv_cache_memory=0.01)
     layers = llm.engine.runner.model.attention_layers()
     assert "softmax" in layers[0].attend.keywords  # the runner bound the kernel
-    if not fused_softmax:
-        for layer in layers:
+    for layer in layers:
+        layer.prefill_kernel = None  # chunks through the grouped path, whose softmax this is
+        if not fused_softmax:
             layer.attend = grouped_attention
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
     prompts = [[5, 17, 42, 99, 7, 3, 250, 11] * 5, [300, 12], [64] * 33]

@@ -2,6 +2,12 @@
 be (not x86, no compiler, build failure, or TANDEM_NO_CPP_KERNELS=1), and callers fall back
 to the torch path."""
 
-from tandem.model.kernels.build import dequant, fused, lora_bgmv, paged_decode_attention
+from tandem.model.kernels.build import (
+    dequant,
+    fused,
+    lora_bgmv,
+    paged_decode_attention,
+    prefill_attention,
+)
 
-__all__ = ["dequant", "fused", "lora_bgmv", "paged_decode_attention"]
+__all__ = ["dequant", "fused", "lora_bgmv", "paged_decode_attention", "prefill_attention"]

@@ -25,6 +25,7 @@ SOURCE = Path(__file__).with_name("paged_attention.cpp")
 LORA_SOURCE = Path(__file__).with_name("lora_bgmv.cpp")
 DEQUANT_SOURCE = Path(__file__).with_name("dequant.cpp")
 FUSED_SOURCE = Path(__file__).with_name("fused.cpp")
+PREFILL_SOURCE = Path(__file__).with_name("prefill_attention.cpp")
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
@@ -64,6 +65,17 @@ def fused():
     if not enabled():
         return None
     return _load(FUSED_SOURCE, "tandem_fused", "the C++ fused layer kernels", (SOURCE,))
+
+
+def prefill_attention():
+    """The prefill kernel `(q, k_cache, v_cache, block_tables, starts, lens, scale) -> out`
+    (see prefill_attention.cpp), or None: use the torch path. Only where the CPU computes
+    bf16 dot products (AVX512-BF16)."""
+    if not enabled():
+        return None
+    module = _load(PREFILL_SOURCE, "tandem_prefill_attention", "the C++ prefill attention kernel",
+                   (SOURCE,))  # fmt: skip
+    return module.prefill_attention if module is not None and module.available() else None
 
 
 @functools.cache

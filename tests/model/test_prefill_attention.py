@@ -1,0 +1,155 @@
+"""The prefill attention kernel (kernels/prefill_attention.cpp) is causal attention over the
+paged cache: within bf16 rounding of float32 attention and agreeing with the torch bf16 path
+but for rare last-bit roundings; it reads no slot a row does not see (those hold NaN here);
+a row's result does not depend on how a chunk is split or batched; bad input is refused by
+name; a bf16 model keeps its greedy tokens with it; the runner binds it only where it runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.model import kernels
+from tandem.model.attention import grouped_attention
+from tandem.model.kernels import build
+from tests.model.conftest import _built
+
+
+@pytest.fixture(scope="module")
+def prefill():
+    if "avx512_bf16" not in build._cpu_flags().split():
+        pytest.skip("the kernel needs a CPU with AVX512-BF16")
+    return _built(kernels.prefill_attention)
+
+
+def _case(starts, lens, heads, kv_heads, head_dim, block_size=16, seed=0):
+    """Random q and a NaN-filled paged cache holding finite K and V only in the slots of each
+    row's keys, through shuffled block tables."""
+    g = torch.Generator().manual_seed(seed)
+    b, q = len(starts), max(lens)
+    ctx = [s + n for s, n in zip(starts, lens)]
+    per_row = max(-(-c // block_size) for c in ctx)
+    num_blocks = b * per_row + 1
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+    v_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16)
+    tables = (torch.randperm(num_blocks - 1, generator=g)[: b * per_row] + 1).view(b, per_row)
+    for row, c in enumerate(ctx):
+        for j in range(c):
+            blk, off = tables[row, j // block_size], j % block_size
+            k_cache[blk, off] = torch.randn(kv_heads, head_dim, generator=g).to(torch.bfloat16)
+            v_cache[blk, off] = torch.randn(kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    qs = torch.randn(b, q, heads, head_dim, generator=g).to(torch.bfloat16)
+    return qs, k_cache, v_cache, tables, torch.tensor(starts), torch.tensor(lens)
+
+
+def _reference(qs, k_cache, v_cache, tables, starts, lens, softmax=None, dtype=torch.float32):
+    """grouped_attention on the gathered keys (unread slots zeroed), in `dtype`."""
+    b, q, _, d = qs.shape
+    kvh = k_cache.shape[2]
+    k, v = (c.nan_to_num(0.0).index_select(0, tables.view(-1)).view(b, -1, kvh, d)
+            for c in (k_cache, v_cache))  # fmt: skip
+    keys, qi = torch.arange(k.shape[1]), torch.arange(q)
+    mask = keys[None, None, :] <= (starts[:, None] + qi[None, :])[:, :, None]
+    valid = qi[None, :] < lens[:, None]
+    mask = (mask & valid[:, :, None]).contiguous()
+    mask[:, :, 0] |= ~valid
+    out = grouped_attention(qs.to(dtype), k.to(dtype), v.to(dtype), mask, d**-0.5, softmax)
+    return out, valid
+
+
+CASES = [  # starts, lens, heads, kv heads, head dim, block size
+    ([0], [37], 9, 3, 64, 16),  # the default model's heads
+    ([5, 100], [40, 17], 8, 2, 128, 16),  # padded rows, context before the chunk
+    ([0, 3, 50], [20, 1, 7], 4, 4, 16, 4),  # no grouping, a one-token chunk
+    ([33], [300], 12, 2, 96, 16),  # six query heads a KV head, more keys than a tile holds
+    ([0, 16], [64, 64], 6, 1, 48, 1),  # one KV head, one slot a block
+    ([7], [5], 32, 4, 80, 16),  # eight heads a group: a tile of one position
+]
+
+
+@pytest.mark.parametrize("starts,lens,heads,kv_heads,head_dim,block_size", CASES)
+def test_the_kernel_is_causal_attention_within_bf16_rounding(prefill, fused, starts, lens, heads, kv_heads, head_dim, block_size):  # fmt: skip
+    qs, kc, vc, tables, st, ln = _case(starts, lens, heads, kv_heads, head_dim, block_size)
+    out = prefill(qs, kc, vc, tables, st, ln, head_dim**-0.5)
+    exact, valid = _reference(qs, kc, vc, tables, st, ln)
+    torch_bf16, _ = _reference(qs, kc, vc, tables, st, ln, fused.masked_softmax_, torch.bfloat16)
+    assert not out.isnan().any()  # no NaN slot was read
+    got, want, theirs = out[valid].float(), exact[valid], torch_bf16[valid].float()
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    # as close to float32 as the torch bf16 path, and its bits but for rare roundings
+    assert (got - want).abs().max() <= 1.25 * (theirs - want).abs().max() + 1e-3
+    assert (got != theirs).float().mean() < 1e-2
+    assert torch.equal(out[~valid], torch.zeros_like(out[~valid]))  # padding rows are zero
+
+
+def test_strided_queries_as_the_fused_projection_gives_them(prefill):
+    qs, kc, vc, tables, st, ln = _case([4], [50], 9, 3, 64)
+    wide = torch.zeros(1, 50, 15, 64, dtype=torch.bfloat16)  # q, k and v heads side by side
+    wide[:, :, :9] = qs
+    strided = wide[:, :, :9]
+    assert not strided.is_contiguous()
+    assert torch.equal(prefill(strided, kc, vc, tables, st, ln, 0.125),
+                       prefill(qs, kc, vc, tables, st, ln, 0.125))  # fmt: skip
+
+
+def test_a_rows_result_does_not_depend_on_how_its_chunk_is_split_or_batched(prefill):
+    qs, kc, vc, tables, st, ln = _case([10, 0], [80, 80], 6, 2, 64)
+    whole = prefill(qs, kc, vc, tables, st, ln, 0.125)
+    halves = [prefill(qs[:1, i : i + 40].contiguous(), kc, vc, tables[:1],
+                      torch.tensor([10 + i]), torch.tensor([40]), 0.125)
+              for i in (0, 40)]  # fmt: skip
+    assert torch.equal(torch.cat(halves, dim=1), whole[:1])
+    alone = prefill(qs[1:], kc, vc, tables[1:], st[1:], ln[1:], 0.125)
+    assert torch.equal(alone, whole[1:])
+
+
+def test_bad_input_is_refused_by_name(prefill):
+    qs, kc, vc, tables, st, ln = _case([0, 8], [16, 16], 4, 2, 32)
+    with pytest.raises(RuntimeError, match="bf16"):
+        prefill(qs.float(), kc, vc, tables, st, ln, 0.1)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        prefill(qs[..., :24].contiguous(), kc[..., :24].contiguous(), vc[..., :24].contiguous(), tables, st,
+                ln, 0.1)  # fmt: skip
+    with pytest.raises(RuntimeError, match="block table too short"):
+        prefill(qs, kc, vc, tables[:, :1].contiguous(), st, ln, 0.1)
+    bad = tables.clone()
+    bad[0, 0] = kc.shape[0]
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        prefill(qs, kc, vc, bad, st, ln, 0.1)
+    with pytest.raises(RuntimeError, match="bad starts or lens"):
+        prefill(qs, kc, vc, tables, st, torch.tensor([16, 17]), 0.1)
+
+
+def _generate(path: str, with_kernel: bool) -> list:
+    """Greedy tokens and top-3 logprobs of a fresh bf16 engine, with or without the kernel
+    (then the grouped torch path with the fused softmax)."""
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory=0.01)
+    layers = llm.engine.runner.model.attention_layers()
+    assert layers[0].prefill_kernel is not None  # the runner bound it
+    if not with_kernel:
+        for layer in layers:
+            layer.prefill_kernel = None
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
+    prompts = [[5, 17, 42, 99, 7, 3, 250, 11] * 5, [300, 12], [64] * 33, list(range(3, 203))]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_bf16_model_keeps_its_greedy_tokens_with_the_kernel(prefill, checkpoints, arch):
+    path = str(checkpoints[arch])
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(_generate(path, True), _generate(path, False)):
+        assert tokens == ref_tokens
+        for got, want in zip(lps, ref_lps):
+            assert got.keys() == want.keys()
+            assert max(abs(got[t].logprob - lp.logprob) for t, lp in want.items()) < 1e-2
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"dtype": "float32"}, {"dtype": "bfloat16", "kv_cache_dtype": "int8"}]
+)
+def test_the_runner_binds_it_only_for_a_bf16_cache(prefill, checkpoints, kwargs):
+    llm = LLM(str(checkpoints["llama"]), kv_cache_memory=0.01, **kwargs)
+    assert all(a.prefill_kernel is None for a in llm.engine.runner.model.attention_layers())
