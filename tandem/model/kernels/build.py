@@ -73,8 +73,7 @@ def prefill_attention():
     bf16 dot products (AVX512-BF16)."""
     if not enabled():
         return None
-    module = _load(PREFILL_SOURCE, "tandem_prefill_attention", "the C++ prefill attention kernel",
-                   (SOURCE,))  # fmt: skip
+    module = _load(PREFILL_SOURCE, "tandem_prefill_attention", "the C++ prefill attention kernel")
     return module.prefill_attention if module is not None and module.available() else None
 
 

@@ -27,10 +27,6 @@
 // available() is false where the CPU or compiler lacks AVX512-BF16 (the caller then keeps the
 // torch path). D must be a multiple of 16, at most 128.
 
-#define TANDEM_PAGED_ATTENTION_NO_MODULE
-#include "paged_attention.cpp"  // softmax_numerators: the decode kernel's exp and sum
-#undef TANDEM_PAGED_ATTENTION_NO_MODULE
-
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -38,6 +34,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -132,19 +129,63 @@ void score_tile(const uint32_t* const* q, const uint32_t* kp, int64_t half, int6
   }
 }
 
+// at::vec's exp_u20 (vec256_float.h, the decode kernel's and masked_softmax_'s exp) on 16
+// lanes: the same operations, so each lane's result is the same float.
+inline __m512 exp_u20(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 lowest = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0xc2aeac50u)));
+  const __m512 highest = _mm512_castsi512_ps(_mm512_set1_epi32(0x42b17218));
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OS);
+  const __m512 src = _mm512_max_ps(_mm512_min_ps(x, highest), lowest);
+  const __m512 fx = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(src, _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b)), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // floor(x * log2(e) + 0.5)
+  const __m512 r = _mm512_fnmadd_ps(fx, _mm512_castsi512_ps(_mm512_set1_epi32(0x3f317218)), src);
+  __m512 y = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00828929059f), _mm512_set1_ps(0.0418978221f));
+  y = _mm512_fmadd_ps(r, y, _mm512_set1_ps(0.166676521f));
+  y = _mm512_fmadd_ps(r, y, _mm512_set1_ps(0.499991506f));
+  y = _mm512_fmadd_ps(r, y, _mm512_set1_ps(0.999999701f));
+  y = _mm512_fmadd_ps(r, y, one);
+  const __m512i n = _mm512_cvtps_epi32(_mm512_sub_ps(fx, one));
+  __m512 pow2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23));
+  pow2 = _mm512_mask_blend_ps(tiny, pow2, _mm512_setzero_ps());
+  return _mm512_mul_ps(_mm512_mul_ps(y, pow2), _mm512_set1_ps(2.f));
+}
+
+// 16 floats as bf16 (already rounded: the upper halves), the first `lanes` of them stored.
+inline void store_bf16(uint16_t* dst, __m512 rounded, __mmask16 lanes = 0xffff) {
+  _mm512_mask_cvtepi32_storeu_epi16(dst, lanes, _mm512_srli_epi32(_mm512_castps_si512(rounded), 16));
+}
+
+inline __mmask16 first(int64_t n) { return static_cast<__mmask16>((1u << n) - 1); }
+
 // One row's probabilities from its n scores: p = bf16(softmax(bf16(bf16(s) * scale))), written
-// as bf16 into probs, zero from n to `padded` (the tile's key-pair span).
+// as bf16 into probs, zero from n to `padded` (the tile's key-pair span). Three passes over
+// the row, 16 lanes each: scale and max, exp and sum, normalize and narrow.
 void softmax_row(float* s, int64_t n, int64_t padded, float scale, uint16_t* probs) {
-  const __m512 sc = _mm512_set1_ps(scale);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(s + i, round_bf16(_mm512_mul_ps(round_bf16(_mm512_loadu_ps(s + i)), sc)));
-  for (; i < n; ++i) {
-    const float x = static_cast<float>(static_cast<at::BFloat16>(s[i]));
-    s[i] = static_cast<float>(static_cast<at::BFloat16>(x * scale));
+  const __m512 sc = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+  const int64_t whole = n / 16 * 16;
+  const __mmask16 tail = first(n - whole);
+  __m512 vmax = minus_inf;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = i < whole ? 0xffff : tail;
+    const __m512 x = round_bf16(_mm512_mul_ps(round_bf16(_mm512_maskz_loadu_ps(m, s + i)), sc));
+    _mm512_mask_storeu_ps(s + i, m, x);
+    vmax = _mm512_mask_max_ps(vmax, m, vmax, x);
   }
-  const float inv = 1.f / softmax_numerators(s, n);
-  for (i = 0; i < n; ++i) probs[i] = at::BFloat16(s[i] * inv).x;
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = i < whole ? 0xffff : tail;
+    const __m512 p = exp_u20(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), mx));
+    _mm512_mask_storeu_ps(s + i, m, p);
+    vsum = _mm512_mask_add_ps(vsum, m, vsum, p);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = i < whole ? 0xffff : tail;
+    store_bf16(probs + i, round_bf16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + i), inv)), m);
+  }
   std::fill(probs + n, probs + padded, uint16_t{0});
 }
 
@@ -168,11 +209,8 @@ void value_tile(const uint32_t* const* probs, const uint32_t* vp, int64_t pairs,
       }
     }
     for (int r = 0; r < kR; ++r)
-      for (int c = 0; c < kNV; ++c) {
-        const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(acc[r][c])), 16);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[r0 + r] + c * 16),
-                            _mm512_cvtepi32_epi16(bits));
-      }
+      for (int c = 0; c < kNV; ++c)
+        store_bf16(reinterpret_cast<uint16_t*>(out[r0 + r] + c * 16), round_bf16(acc[r][c]));
   }
 }
 
