@@ -83,9 +83,10 @@ class PagedAttention(nn.Module):
         # (q [B, H, D], k_cache, v_cache, block_tables, context_lens, scale) -> [B, H, D]:
         # attention for single-token rows straight from the paged cache, when the runner has one
         self.decode_kernel = None
-        # (q [B, Q, H, D], k_cache, v_cache, block_tables, starts, lens, scale) -> [B, Q, H, D]:
-        # causal attention for chunks straight from the paged cache (bf16 on AVX512-BF16 CPUs,
-        # kernels/prefill_attention.cpp), when the runner has one
+        # (q [B, Q, H, D], k_cache, v_cache, block_tables, starts, lens, scale, k_scale,
+        # v_scale) -> [B, Q, H, D]: causal attention for chunks straight from the paged cache,
+        # an 8-bit one too (bf16 on AVX512-BF16 CPUs, kernels/prefill_attention.cpp), when the
+        # runner has one
         self.prefill_kernel = None
         # [num_blocks, block_size, kv_heads, head_dim] each; bound by the runner.
         self.k_cache = self.v_cache = torch.empty(0)
@@ -133,7 +134,7 @@ class PagedAttention(nn.Module):
         if self.prefill_kernel is not None:
             out = self.prefill_kernel(
                 q.view(b, qlen, h, d), self.k_cache, self.v_cache, g.block_tables,
-                g.query_starts, g.query_lens, self.scale,
+                g.query_starts, g.query_lens, self.scale, self.k_scale, self.v_scale,
             ).view(b * qlen, h * d)  # fmt: skip
             return out[g.scatter_index] if g.scatter_index is not None else out
         # index_select is ~4x faster than cache[block_tables] on the CPU

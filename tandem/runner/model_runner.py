@@ -79,11 +79,12 @@ class ModelRunner:
             if device.type == "cpu" and cfg.head_dim % 8 == 0
             else None
         )
-        # Chunks too, in bf16 on CPUs with AVX512-BF16: each query computes only the keys it
-        # sees (the torch path computes every pair and masks half away); None elsewhere.
+        # Chunks too, in bf16 on CPUs with AVX512-BF16 (an 8-bit cache too): each query
+        # computes only the keys it sees (the torch path computes every pair and masks half
+        # away); None elsewhere.
         prefill_kernel = (
             kernels.prefill_attention()
-            if device.type == "cpu" and dtype == torch.bfloat16 and kv_cache_dtype == "auto"
+            if device.type == "cpu" and dtype == torch.bfloat16
             and cfg.head_dim % 16 == 0 and cfg.head_dim <= 128
             else None
         )  # fmt: skip

@@ -1,8 +1,9 @@
 """The prefill attention kernel (kernels/prefill_attention.cpp) is causal attention over the
 paged cache: within bf16 rounding of float32 attention and agreeing with the torch bf16 path
-but for rare last-bit roundings; it reads no slot a row does not see (those hold NaN here);
-a row's result does not depend on how a chunk is split or batched; bad input is refused by
-name; a bf16 model keeps its greedy tokens with it; the runner binds it only where it runs."""
+but for rare last-bit roundings, from a bf16 cache or an 8-bit one (int8, e4m3); it reads no
+slot a row does not see (those hold NaN here); a row's result does not depend on how a chunk
+is split or batched; bad input is refused by name; a bf16 model keeps its greedy tokens with
+it; the runner binds it only where it runs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tandem import LLM, SamplingParams
 from tandem.model import kernels
 from tandem.model.attention import grouped_attention
 from tandem.model.kernels import build
+from tandem.model.kv_quant import dequantize_kv, quantize_kv
 from tests.model.conftest import _built
 
 
@@ -59,6 +61,14 @@ def _reference(qs, k_cache, v_cache, tables, starts, lens, softmax=None, dtype=t
     return out, valid
 
 
+def _quantized(cache: torch.Tensor, storage: torch.dtype):
+    """A bf16 cache as an 8-bit one (NaN slots stay NaN-scaled) and what it reads back as."""
+    flat = cache.view(-1, *cache.shape[2:])
+    q, scales = quantize_kv(flat, storage)
+    back = dequantize_kv(q, scales, torch.bfloat16).view(cache.shape)
+    return q.view(cache.shape), scales.view(cache.shape[:3]), back
+
+
 CASES = [  # starts, lens, heads, kv heads, head dim, block size
     ([0], [37], 9, 3, 64, 16),  # the default model's heads
     ([5, 100], [40, 17], 8, 2, 128, 16),  # padded rows, context before the chunk
@@ -82,6 +92,20 @@ def test_the_kernel_is_causal_attention_within_bf16_rounding(prefill, fused, sta
     assert (got - want).abs().max() <= 1.25 * (theirs - want).abs().max() + 1e-3
     assert (got != theirs).float().mean() < 1e-2
     assert torch.equal(out[~valid], torch.zeros_like(out[~valid]))  # padding rows are zero
+
+
+@pytest.mark.parametrize("storage", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("starts,lens,heads,kv_heads,head_dim,block_size", CASES[:4])
+def test_an_8_bit_cache_is_read_as_the_torch_path_dequantizes_it(prefill, fused, storage, starts, lens, heads, kv_heads, head_dim, block_size):  # fmt: skip
+    qs, kc, vc, tables, st, ln = _case(starts, lens, heads, kv_heads, head_dim, block_size)
+    (k8, ks, k_back), (v8, vs, v_back) = _quantized(kc, storage), _quantized(vc, storage)
+    out = prefill(qs, k8, v8, tables, st, ln, head_dim**-0.5, ks, vs)
+    assert not out.isnan().any()
+    # the same as the kernel on the bf16 values the 8-bit cache dequantizes to, to the bit
+    assert torch.equal(out, prefill(qs, k_back, v_back, tables, st, ln, head_dim**-0.5))
+    theirs, valid = _reference(qs, k_back, v_back, tables, st, ln, fused.masked_softmax_,
+                               torch.bfloat16)  # fmt: skip
+    assert (out[valid] != theirs[valid]).float().mean() < 1e-2
 
 
 def test_strided_queries_as_the_fused_projection_gives_them(prefill):
@@ -120,12 +144,17 @@ def test_bad_input_is_refused_by_name(prefill):
         prefill(qs, kc, vc, bad, st, ln, 0.1)
     with pytest.raises(RuntimeError, match="bad starts or lens"):
         prefill(qs, kc, vc, tables, st, torch.tensor([16, 17]), 0.1)
+    k8, ks, _ = _quantized(kc, torch.int8)
+    with pytest.raises(RuntimeError, match="k_scales and v_scales"):
+        prefill(qs, k8, k8, tables, st, ln, 0.1)  # an 8-bit cache without its scales
+    with pytest.raises(RuntimeError, match="scales must be"):
+        prefill(qs, k8, k8, tables, st, ln, 0.1, ks[:1], ks)
 
 
-def _generate(path: str, with_kernel: bool) -> list:
+def _generate(path: str, with_kernel: bool, kv_cache_dtype: str = "auto") -> list:
     """Greedy tokens and top-3 logprobs of a fresh bf16 engine, with or without the kernel
     (then the grouped torch path with the fused softmax)."""
-    llm = LLM(path, dtype="bfloat16", kv_cache_memory=0.01)
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory=0.01, kv_cache_dtype=kv_cache_dtype)
     layers = llm.engine.runner.model.attention_layers()
     assert layers[0].prefill_kernel is not None  # the runner bound it
     if not with_kernel:
@@ -137,19 +166,19 @@ def _generate(path: str, with_kernel: bool) -> list:
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_bf16_model_keeps_its_greedy_tokens_with_the_kernel(prefill, checkpoints, arch):
+@pytest.mark.parametrize("arch,kv", [("llama", "auto"), ("qwen2", "auto"), ("llama", "int8")])
+def test_a_bf16_model_keeps_its_greedy_tokens_with_the_kernel(prefill, checkpoints, arch, kv):
     path = str(checkpoints[arch])
-    for (tokens, lps), (ref_tokens, ref_lps) in zip(_generate(path, True), _generate(path, False)):
+    with_kernel, without = _generate(path, True, kv), _generate(path, False, kv)
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(with_kernel, without):
         assert tokens == ref_tokens
         for got, want in zip(lps, ref_lps):
             assert got.keys() == want.keys()
-            assert max(abs(got[t].logprob - lp.logprob) for t, lp in want.items()) < 1e-2
+            # at most a logit's last bit apart (bf16 logits in [4, 8) are 2^-5 apart; with an
+            # int8 cache one in [2, 4) was found a bit apart: 0.0151)
+            assert max(abs(got[t].logprob - lp.logprob) for t, lp in want.items()) <= 2**-5
 
 
-@pytest.mark.parametrize(
-    "kwargs", [{"dtype": "float32"}, {"dtype": "bfloat16", "kv_cache_dtype": "int8"}]
-)
-def test_the_runner_binds_it_only_for_a_bf16_cache(prefill, checkpoints, kwargs):
-    llm = LLM(str(checkpoints["llama"]), kv_cache_memory=0.01, **kwargs)
+def test_the_runner_binds_it_only_for_bf16_models(prefill, checkpoints):
+    llm = LLM(str(checkpoints["llama"]), kv_cache_memory=0.01, dtype="float32")
     assert all(a.prefill_kernel is None for a in llm.engine.runner.model.attention_layers())

@@ -20,7 +20,9 @@
 // oneDNN's, so results agree with the torch path to bf16 rounding, not to the bit; each row
 // depends only on its own query and keys, so any split of a chunk's rows gives the same bits.
 //
-// prefill_attention(q [B, Q, H, D] bf16 (heads contiguous, rows strided), k_cache, v_cache [blocks, block_size, KVH, D] bf16,
+// prefill_attention(q [B, Q, H, D] bf16 (heads contiguous, rows strided), k_cache, v_cache
+//                   [blocks, block_size, KVH, D] bf16 (or int8 / e4m3 with k_scales, v_scales
+//                   [blocks, block_size, KVH] float32: dequantized as they are packed),
 //                   block_tables [B, max_blocks] long, starts [B] long, lens [B] long, scale)
 //   -> out [B, Q, H, D]: row b's query i (i < lens[b]) at position starts[b] + i sees keys
 //      [0, starts[b] + i]; rows past lens[b] are padding and come back zero.
@@ -31,12 +33,15 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -67,27 +72,56 @@ struct ChunkShapes {
   int64_t batch, queries, heads, kv_heads, d, block_size, max_blocks;
 };
 
+// e4m3 -> float for every bit pattern.
+const float* fp8_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int b = 0; b < 256; ++b)
+      t[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
+// A cache slot's D values as bf16 bits: a bf16 cache's as stored; an 8-bit one's (int8, or
+// e4m3 as its bits) bf16(value * the slot's scale), as kv_quant.dequantize_kv computes them.
+template <typename C>
+inline void slot_bf16(const C* cache, const float* scales, int64_t slot, int64_t d, uint16_t* out) {
+  const C* x = cache + slot * d;
+  if constexpr (std::is_same_v<C, uint16_t>) {
+    std::memcpy(out, x, d * sizeof(uint16_t));
+  } else {
+    const float s = scales[slot];
+    const float* fp8 = std::is_same_v<C, uint8_t> ? fp8_table() : nullptr;
+    for (int64_t c = 0; c < d; ++c) {
+      const float v = std::is_same_v<C, uint8_t> ? fp8[static_cast<uint8_t>(x[c])] : static_cast<float>(x[c]);
+      out[c] = at::BFloat16(v * s).x;
+    }
+  }
+}
+
 // Row b's keys of kv head h, as 32-bit words (a pair of bf16): K tiles [tiles][D/2][16] (word
 // (t, p, k) = key 16t + k's dimensions 2p, 2p + 1) and V pairs [keys/2][D] (word (j, c) =
 // value c of keys 2j and 2j + 1), zero past the row's keys.
-void pack_row(const uint32_t* k_cache, const uint32_t* v_cache, const int64_t* table,
-              int64_t keys, int64_t padded, int64_t h, const ChunkShapes& s, uint32_t* kp,
-              uint32_t* vp) {
+template <typename C>
+void pack_row(const C* k_cache, const C* v_cache, const float* k_scales, const float* v_scales,
+              const int64_t* table, int64_t keys, int64_t padded, int64_t h,
+              const ChunkShapes& s, uint32_t* kp, uint32_t* vp) {
   const int64_t half = s.d / 2;
-  const uint16_t* vc = reinterpret_cast<const uint16_t*>(v_cache);
   uint16_t* vp16 = reinterpret_cast<uint16_t*>(vp);
+  uint16_t k[kMaxD], v[kMaxD];
   for (int64_t j = 0; j < padded; ++j) {
     uint32_t* kt = kp + (j / kTileKeys) * half * kTileKeys + j % kTileKeys;
     uint16_t* vt = vp16 + (j / 2) * s.d * 2 + j % 2;
-    if (j >= keys) {
-      for (int64_t p = 0; p < half; ++p) kt[p * kTileKeys] = 0;
-      for (int64_t c = 0; c < s.d; ++c) vt[c * 2] = 0;
-      continue;
+    if (j < keys) {
+      const int64_t slot = (table[j / s.block_size] * s.block_size + j % s.block_size) * s.kv_heads + h;
+      slot_bf16(k_cache, k_scales, slot, s.d, k);
+      slot_bf16(v_cache, v_scales, slot, s.d, v);
+    } else {
+      std::fill(k, k + s.d, uint16_t{0});
+      std::fill(v, v + s.d, uint16_t{0});
     }
-    const int64_t slot = (table[j / s.block_size] * s.block_size + j % s.block_size) * s.kv_heads + h;
-    const uint32_t* k = k_cache + slot * half;
-    const uint16_t* v = vc + slot * s.d;
-    for (int64_t p = 0; p < half; ++p) kt[p * kTileKeys] = k[p];
+    for (int64_t p = 0; p < half; ++p) kt[p * kTileKeys] = k[2 * p] | (uint32_t{k[2 * p + 1]} << 16);
     for (int64_t c = 0; c < s.d; ++c) vt[c * 2] = v[c];
   }
 }
@@ -246,16 +280,27 @@ bool available() {
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
-                             const at::Tensor& starts, const at::Tensor& lens, double scale) {
+                             const at::Tensor& starts, const at::Tensor& lens, double scale,
+                             const std::optional<at::Tensor>& k_scales,
+                             const std::optional<at::Tensor>& v_scales) {
   TORCH_CHECK(available(), "prefill_attention needs AVX512-BF16");
 #if TANDEM_HAVE_AVX512_BF16
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kBFloat16 && q.stride(3) == 1 &&
                   q.stride(2) == q.size(3) && q.stride(1) % 2 == 0 && q.stride(0) % 2 == 0,
               "q must be bf16 [B, Q, H, D] with contiguous heads");
+  const auto cache_type = k_cache.scalar_type();
+  const bool eight_bit = cache_type == at::kChar || cache_type == at::kFloat8_e4m3fn;
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16,
-              "caches must be contiguous bf16 [blocks, block_size, KVH, D]");
+                  k_cache.sizes() == v_cache.sizes() && v_cache.scalar_type() == cache_type &&
+                  (cache_type == at::kBFloat16 || eight_bit),
+              "caches must be contiguous bf16, int8 or float8_e4m3fn [blocks, block_size, KVH, D]");
+  TORCH_CHECK(eight_bit == (k_scales.has_value() && v_scales.has_value()),
+              "k_scales and v_scales are given for an 8-bit cache, and only then");
+  if (eight_bit)
+    for (const at::Tensor* t : {&*k_scales, &*v_scales})
+      TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat &&
+                      t->numel() * k_cache.size(3) == k_cache.numel(),
+                  "scales must be contiguous float32 [blocks, block_size, KVH]");
   const ChunkShapes s{q.size(0), q.size(1), q.size(2), k_cache.size(2), q.size(3), k_cache.size(1),
                  block_tables.size(1)};
   TORCH_CHECK(k_cache.size(3) == s.d && s.d % 16 == 0 && s.d <= kMaxD,
@@ -294,8 +339,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   auto out = at::empty(q.sizes(), q.options());
   auto kp = at::empty({offset.back()}, q.options().dtype(at::kInt));
   auto vp = at::empty({offset.back()}, q.options().dtype(at::kInt));
-  const auto* kc = reinterpret_cast<const uint32_t*>(k_cache.data_ptr());
-  const auto* vc = reinterpret_cast<const uint32_t*>(v_cache.data_ptr());
+  const float* ks = eight_bit ? k_scales->data_ptr<float>() : nullptr;
+  const float* vs = eight_bit ? v_scales->data_ptr<float>() : nullptr;
   auto* kpb = reinterpret_cast<uint32_t*>(kp.data_ptr());
   auto* vpb = reinterpret_cast<uint32_t*>(vp.data_ptr());
   const auto* qb = reinterpret_cast<const uint32_t*>(q.data_ptr());
@@ -310,8 +355,16 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
     for (int64_t i = 0; i < packs; ++i) {
       const int64_t b = i / s.kv_heads, h = i % s.kv_heads;
       const int64_t words = padded[b] * half;
-      pack_row(kc, vc, tables + b * s.max_blocks, start[b] + len[b], padded[b], h, s,
-               kpb + offset[b] + h * words, vpb + offset[b] + h * words);
+      const auto pack = [&](auto* kc, auto* vc) {
+        pack_row(kc, vc, ks, vs, tables + b * s.max_blocks, start[b] + len[b], padded[b], h, s,
+                 kpb + offset[b] + h * words, vpb + offset[b] + h * words);
+      };
+      if (cache_type == at::kBFloat16)
+        pack(static_cast<const uint16_t*>(k_cache.data_ptr()), static_cast<const uint16_t*>(v_cache.data_ptr()));
+      else if (cache_type == at::kChar)
+        pack(static_cast<const int8_t*>(k_cache.data_ptr()), static_cast<const int8_t*>(v_cache.data_ptr()));
+      else
+        pack(static_cast<const uint8_t*>(k_cache.data_ptr()), static_cast<const uint8_t*>(v_cache.data_ptr()));
     }
     std::vector<float> scores;
     std::vector<uint32_t> probs, no_probs;
@@ -365,5 +418,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this build has the AVX512-BF16 kernel");
   m.def("prefill_attention", &prefill_attention,
-        "causal attention of prefill chunks from the paged KV cache (CPU, bf16)");
+        "causal attention of prefill chunks from the paged KV cache (CPU, bf16)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("starts"),
+        py::arg("lens"), py::arg("scale"), py::arg("k_scales") = py::none(),
+        py::arg("v_scales") = py::none());
 }
