@@ -90,9 +90,9 @@ def cases(b, q, ctx, dtype):
         del fns["  the same, C++ softmax (kernels/fused.cpp)"]
     prefill = kernels.prefill_attention()
     if q > 1 and prefill is not None and dtype == torch.bfloat16:
-        starts, lens = torch.full((b,), start), torch.full((b,), q)
+        starts, ends = torch.full((b,), start), torch.full((b,), ctx)
         fns["C++ prefill kernel (no gather, causal pairs only)"] = lambda: prefill(
-            qt, kc, vc, bt, starts, lens, scale
+            qt, kc, vc, bt, starts, ends, scale
         )
     decode = kernels.paged_decode_attention()
     if q == 1 and decode is not None:

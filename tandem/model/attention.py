@@ -31,7 +31,6 @@ class AttentionGroup:
     mask: torch.Tensor  # [B, Q, L] bool: key visible to query
     context_lens: torch.Tensor  # [B] long: keys each row sees after this step
     query_starts: torch.Tensor  # [B] long: position of each row's first query (CPU)
-    query_lens: torch.Tensor  # [B] long: each row's queries, the rest of Q padding (CPU)
     scatter_index: (
         torch.Tensor | None
     )  # [tokens] long: flat token -> padded B*Q slot (None: no padding)
@@ -83,7 +82,7 @@ class PagedAttention(nn.Module):
         # (q [B, H, D], k_cache, v_cache, block_tables, context_lens, scale) -> [B, H, D]:
         # attention for single-token rows straight from the paged cache, when the runner has one
         self.decode_kernel = None
-        # (q [B, Q, H, D], k_cache, v_cache, block_tables, starts, lens, scale, k_scale,
+        # (q [B, Q, H, D], k_cache, v_cache, block_tables, starts, context_lens, scale, k_scale,
         # v_scale) -> [B, Q, H, D]: causal attention for chunks straight from the paged cache,
         # an 8-bit one too (bf16 on AVX512-BF16 CPUs, kernels/prefill_attention.cpp), when the
         # runner has one
@@ -134,7 +133,7 @@ class PagedAttention(nn.Module):
         if self.prefill_kernel is not None:
             out = self.prefill_kernel(
                 q.view(b, qlen, h, d), self.k_cache, self.v_cache, g.block_tables,
-                g.query_starts, g.query_lens, self.scale, self.k_scale, self.v_scale,
+                g.query_starts, g.context_lens, self.scale, self.k_scale, self.v_scale,
             ).view(b * qlen, h * d)  # fmt: skip
             return out[g.scatter_index] if g.scatter_index is not None else out
         # index_select is ~4x faster than cache[block_tables] on the CPU

@@ -125,6 +125,5 @@ def _group(token_slice, starts, lens, tables, block_size, device) -> AttentionGr
         mask=mask.to(device),
         context_lens=torch.from_numpy(ctx).to(device),
         query_starts=st,
-        query_lens=ln,
         scatter_index=None if scatter is None else scatter.to(device),
     )

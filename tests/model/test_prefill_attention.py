@@ -27,7 +27,7 @@ def prefill():
 
 def _case(starts, lens, heads, kv_heads, head_dim, block_size=16, seed=0):
     """Random q and a NaN-filled paged cache holding finite K and V only in the slots of each
-    row's keys, through shuffled block tables."""
+    row's keys, through shuffled block tables; with each row's start and context length."""
     g = torch.Generator().manual_seed(seed)
     b, q = len(starts), max(lens)
     ctx = [s + n for s, n in zip(starts, lens)]
@@ -43,10 +43,10 @@ def _case(starts, lens, heads, kv_heads, head_dim, block_size=16, seed=0):
             k_cache[blk, off] = torch.randn(kv_heads, head_dim, generator=g).to(torch.bfloat16)
             v_cache[blk, off] = torch.randn(kv_heads, head_dim, generator=g).to(torch.bfloat16)
     qs = torch.randn(b, q, heads, head_dim, generator=g).to(torch.bfloat16)
-    return qs, k_cache, v_cache, tables, torch.tensor(starts), torch.tensor(lens)
+    return qs, k_cache, v_cache, tables, torch.tensor(starts), torch.tensor(ctx)
 
 
-def _reference(qs, k_cache, v_cache, tables, starts, lens, softmax=None, dtype=torch.float32):
+def _reference(qs, k_cache, v_cache, tables, starts, ctx, softmax=None, dtype=torch.float32):
     """grouped_attention on the gathered keys (unread slots zeroed), in `dtype`."""
     b, q, _, d = qs.shape
     kvh = k_cache.shape[2]
@@ -54,7 +54,7 @@ def _reference(qs, k_cache, v_cache, tables, starts, lens, softmax=None, dtype=t
             for c in (k_cache, v_cache))  # fmt: skip
     keys, qi = torch.arange(k.shape[1]), torch.arange(q)
     mask = keys[None, None, :] <= (starts[:, None] + qi[None, :])[:, :, None]
-    valid = qi[None, :] < lens[:, None]
+    valid = qi[None, :] < (ctx - starts)[:, None]
     mask = (mask & valid[:, :, None]).contiguous()
     mask[:, :, 0] |= ~valid
     out = grouped_attention(qs.to(dtype), k.to(dtype), v.to(dtype), mask, d**-0.5, softmax)
@@ -81,10 +81,10 @@ CASES = [  # starts, lens, heads, kv heads, head dim, block size
 
 @pytest.mark.parametrize("starts,lens,heads,kv_heads,head_dim,block_size", CASES)
 def test_the_kernel_is_causal_attention_within_bf16_rounding(prefill, fused, starts, lens, heads, kv_heads, head_dim, block_size):  # fmt: skip
-    qs, kc, vc, tables, st, ln = _case(starts, lens, heads, kv_heads, head_dim, block_size)
-    out = prefill(qs, kc, vc, tables, st, ln, head_dim**-0.5)
-    exact, valid = _reference(qs, kc, vc, tables, st, ln)
-    torch_bf16, _ = _reference(qs, kc, vc, tables, st, ln, fused.masked_softmax_, torch.bfloat16)
+    qs, kc, vc, tables, st, cl = _case(starts, lens, heads, kv_heads, head_dim, block_size)
+    out = prefill(qs, kc, vc, tables, st, cl, head_dim**-0.5)
+    exact, valid = _reference(qs, kc, vc, tables, st, cl)
+    torch_bf16, _ = _reference(qs, kc, vc, tables, st, cl, fused.masked_softmax_, torch.bfloat16)
     assert not out.isnan().any()  # no NaN slot was read
     got, want, theirs = out[valid].float(), exact[valid], torch_bf16[valid].float()
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
@@ -97,58 +97,58 @@ def test_the_kernel_is_causal_attention_within_bf16_rounding(prefill, fused, sta
 @pytest.mark.parametrize("storage", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("starts,lens,heads,kv_heads,head_dim,block_size", CASES[:4])
 def test_an_8_bit_cache_is_read_as_the_torch_path_dequantizes_it(prefill, fused, storage, starts, lens, heads, kv_heads, head_dim, block_size):  # fmt: skip
-    qs, kc, vc, tables, st, ln = _case(starts, lens, heads, kv_heads, head_dim, block_size)
+    qs, kc, vc, tables, st, cl = _case(starts, lens, heads, kv_heads, head_dim, block_size)
     (k8, ks, k_back), (v8, vs, v_back) = _quantized(kc, storage), _quantized(vc, storage)
-    out = prefill(qs, k8, v8, tables, st, ln, head_dim**-0.5, ks, vs)
+    out = prefill(qs, k8, v8, tables, st, cl, head_dim**-0.5, ks, vs)
     assert not out.isnan().any()
     # the same as the kernel on the bf16 values the 8-bit cache dequantizes to, to the bit
-    assert torch.equal(out, prefill(qs, k_back, v_back, tables, st, ln, head_dim**-0.5))
-    theirs, valid = _reference(qs, k_back, v_back, tables, st, ln, fused.masked_softmax_,
+    assert torch.equal(out, prefill(qs, k_back, v_back, tables, st, cl, head_dim**-0.5))
+    theirs, valid = _reference(qs, k_back, v_back, tables, st, cl, fused.masked_softmax_,
                                torch.bfloat16)  # fmt: skip
     assert (out[valid] != theirs[valid]).float().mean() < 1e-2
 
 
 def test_strided_queries_as_the_fused_projection_gives_them(prefill):
-    qs, kc, vc, tables, st, ln = _case([4], [50], 9, 3, 64)
+    qs, kc, vc, tables, st, cl = _case([4], [50], 9, 3, 64)
     wide = torch.zeros(1, 50, 15, 64, dtype=torch.bfloat16)  # q, k and v heads side by side
     wide[:, :, :9] = qs
     strided = wide[:, :, :9]
     assert not strided.is_contiguous()
-    assert torch.equal(prefill(strided, kc, vc, tables, st, ln, 0.125),
-                       prefill(qs, kc, vc, tables, st, ln, 0.125))  # fmt: skip
+    assert torch.equal(prefill(strided, kc, vc, tables, st, cl, 0.125),
+                       prefill(qs, kc, vc, tables, st, cl, 0.125))  # fmt: skip
 
 
 def test_a_rows_result_does_not_depend_on_how_its_chunk_is_split_or_batched(prefill):
-    qs, kc, vc, tables, st, ln = _case([10, 0], [80, 80], 6, 2, 64)
-    whole = prefill(qs, kc, vc, tables, st, ln, 0.125)
+    qs, kc, vc, tables, st, cl = _case([10, 0], [80, 80], 6, 2, 64)
+    whole = prefill(qs, kc, vc, tables, st, cl, 0.125)
     halves = [prefill(qs[:1, i : i + 40].contiguous(), kc, vc, tables[:1],
-                      torch.tensor([10 + i]), torch.tensor([40]), 0.125)
+                      torch.tensor([10 + i]), torch.tensor([50 + i]), 0.125)
               for i in (0, 40)]  # fmt: skip
     assert torch.equal(torch.cat(halves, dim=1), whole[:1])
-    alone = prefill(qs[1:], kc, vc, tables[1:], st[1:], ln[1:], 0.125)
+    alone = prefill(qs[1:], kc, vc, tables[1:], st[1:], cl[1:], 0.125)
     assert torch.equal(alone, whole[1:])
 
 
 def test_bad_input_is_refused_by_name(prefill):
-    qs, kc, vc, tables, st, ln = _case([0, 8], [16, 16], 4, 2, 32)
+    qs, kc, vc, tables, st, cl = _case([0, 8], [16, 16], 4, 2, 32)
     with pytest.raises(RuntimeError, match="bf16"):
-        prefill(qs.float(), kc, vc, tables, st, ln, 0.1)
+        prefill(qs.float(), kc, vc, tables, st, cl, 0.1)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         prefill(qs[..., :24].contiguous(), kc[..., :24].contiguous(), vc[..., :24].contiguous(), tables, st,
-                ln, 0.1)  # fmt: skip
+                cl, 0.1)  # fmt: skip
     with pytest.raises(RuntimeError, match="block table too short"):
-        prefill(qs, kc, vc, tables[:, :1].contiguous(), st, ln, 0.1)
+        prefill(qs, kc, vc, tables[:, :1].contiguous(), st, cl, 0.1)
     bad = tables.clone()
     bad[0, 0] = kc.shape[0]
     with pytest.raises(RuntimeError, match="block id out of range"):
-        prefill(qs, kc, vc, bad, st, ln, 0.1)
-    with pytest.raises(RuntimeError, match="bad starts or lens"):
-        prefill(qs, kc, vc, tables, st, torch.tensor([16, 17]), 0.1)
+        prefill(qs, kc, vc, bad, st, cl, 0.1)
+    with pytest.raises(RuntimeError, match="bad starts or context_lens"):
+        prefill(qs, kc, vc, tables, st, torch.tensor([16, 25]), 0.1)  # 17 queries in a Q of 16
     k8, ks, _ = _quantized(kc, torch.int8)
     with pytest.raises(RuntimeError, match="k_scales and v_scales"):
-        prefill(qs, k8, k8, tables, st, ln, 0.1)  # an 8-bit cache without its scales
+        prefill(qs, k8, k8, tables, st, cl, 0.1)  # an 8-bit cache without its scales
     with pytest.raises(RuntimeError, match="scales must be"):
-        prefill(qs, k8, k8, tables, st, ln, 0.1, ks[:1], ks)
+        prefill(qs, k8, k8, tables, st, cl, 0.1, ks[:1], ks)
 
 
 def _generate(path: str, with_kernel: bool, kv_cache_dtype: str = "auto") -> list:

@@ -68,7 +68,8 @@ def fused():
 
 
 def prefill_attention():
-    """The prefill kernel `(q, k_cache, v_cache, block_tables, starts, lens, scale) -> out`
+    """The prefill kernel `(q, k_cache, v_cache, block_tables, starts, context_lens, scale)
+    -> out`
     (see prefill_attention.cpp), or None: use the torch path. Only where the CPU computes
     bf16 dot products (AVX512-BF16)."""
     if not enabled():

@@ -23,9 +23,11 @@
 // prefill_attention(q [B, Q, H, D] bf16 (heads contiguous, rows strided), k_cache, v_cache
 //                   [blocks, block_size, KVH, D] bf16 (or int8 / e4m3 with k_scales, v_scales
 //                   [blocks, block_size, KVH] float32: dequantized as they are packed),
-//                   block_tables [B, max_blocks] long, starts [B] long, lens [B] long, scale)
-//   -> out [B, Q, H, D]: row b's query i (i < lens[b]) at position starts[b] + i sees keys
-//      [0, starts[b] + i]; rows past lens[b] are padding and come back zero.
+//                   block_tables [B, max_blocks] long, starts [B] long, context_lens [B] long,
+//                   scale)
+//   -> out [B, Q, H, D]: row b has n = context_lens[b] - starts[b] queries; its query i < n at
+//      position starts[b] + i sees keys [0, starts[b] + i]; rows from n on are padding and
+//      come back zero.
 // available() is false where the CPU or compiler lacks AVX512-BF16 (the caller then keeps the
 // torch path). D must be a multiple of 16, at most 128.
 
@@ -72,17 +74,6 @@ struct ChunkShapes {
   int64_t batch, queries, heads, kv_heads, d, block_size, max_blocks;
 };
 
-// e4m3 -> float for every bit pattern.
-const float* fp8_table() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(256);
-    for (int b = 0; b < 256; ++b)
-      t[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
-    return t;
-  }();
-  return table.data();
-}
-
 // A cache slot's D values as bf16 bits: a bf16 cache's as stored; an 8-bit one's (int8, or
 // e4m3 as its bits) bf16(value * the slot's scale), as kv_quant.dequantize_kv computes them.
 template <typename C>
@@ -92,9 +83,12 @@ inline void slot_bf16(const C* cache, const float* scales, int64_t slot, int64_t
     std::memcpy(out, x, d * sizeof(uint16_t));
   } else {
     const float s = scales[slot];
-    const float* fp8 = std::is_same_v<C, uint8_t> ? fp8_table() : nullptr;
     for (int64_t c = 0; c < d; ++c) {
-      const float v = std::is_same_v<C, uint8_t> ? fp8[static_cast<uint8_t>(x[c])] : static_cast<float>(x[c]);
+      float v;
+      if constexpr (std::is_same_v<C, uint8_t>)
+        v = static_cast<float>(c10::Float8_e4m3fn(x[c], c10::Float8_e4m3fn::from_bits()));
+      else
+        v = static_cast<float>(x[c]);
       out[c] = at::BFloat16(v * s).x;
     }
   }
@@ -265,7 +259,7 @@ ValueTile value_tile_for(int64_t d) {
 }
 
 struct Task {
-  int64_t b, h, row0, cost;
+  int64_t b, h, row0, keys;  // (row, kv head), its first query row, the keys its rows see
 };
 
 #endif  // TANDEM_HAVE_AVX512_BF16
@@ -280,7 +274,7 @@ bool available() {
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
-                             const at::Tensor& starts, const at::Tensor& lens, double scale,
+                             const at::Tensor& starts, const at::Tensor& context_lens, double scale,
                              const std::optional<at::Tensor>& k_scales,
                              const std::optional<at::Tensor>& v_scales) {
   TORCH_CHECK(available(), "prefill_attention needs AVX512-BF16");
@@ -309,20 +303,22 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == s.batch &&
                   block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong,
               "block_tables must be contiguous long [B, max_blocks]");
-  for (const at::Tensor* t : {&starts, &lens})
+  for (const at::Tensor* t : {&starts, &context_lens})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == s.batch && t->is_contiguous() &&
                     t->scalar_type() == at::kLong,
-                "starts and lens must be long [B]");
+                "starts and context_lens must be long [B]");
   const int64_t* start = starts.data_ptr<int64_t>();
-  const int64_t* len = lens.data_ptr<int64_t>();
+  const int64_t* ctx = context_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t num_blocks = k_cache.size(0), group = s.heads / s.kv_heads, half = s.d / 2;
   // where each row's packed keys start, and the work: tiles of kRows (position, head) rows
-  std::vector<int64_t> offset(s.batch + 1, 0), padded(s.batch);
+  std::vector<int64_t> offset(s.batch + 1, 0), padded(s.batch), len(s.batch);
   std::vector<Task> tasks;
   for (int64_t b = 0; b < s.batch; ++b) {
-    TORCH_CHECK(len[b] >= 0 && len[b] <= s.queries && start[b] >= 0, "bad starts or lens");
-    const int64_t keys = start[b] + len[b];
+    len[b] = ctx[b] - start[b];  // the row's queries
+    TORCH_CHECK(len[b] >= 0 && len[b] <= s.queries && start[b] >= 0,
+                "bad starts or context_lens");
+    const int64_t keys = ctx[b];
     TORCH_CHECK(keys <= s.max_blocks * s.block_size, "block table too short for row ", b);
     for (int64_t i = 0; i < (keys + s.block_size - 1) / s.block_size; ++i)
       TORCH_CHECK(tables[b * s.max_blocks + i] >= 0 && tables[b * s.max_blocks + i] < num_blocks,
@@ -334,7 +330,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
         tasks.push_back({b, h, r, start[b] + (std::min(r + kRows, len[b] * group) - 1) / group + 1});
   }
   // longest first, handed out as threads free up: later tiles see more keys
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.keys > b.keys; });
   const int64_t q_row = q.stride(1) / 2, q_batch = q.stride(0) / 2;  // in words
   auto out = at::empty(q.sizes(), q.options());
   auto kp = at::empty({offset.back()}, q.options().dtype(at::kInt));
@@ -356,7 +352,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
       const int64_t b = i / s.kv_heads, h = i % s.kv_heads;
       const int64_t words = padded[b] * half;
       const auto pack = [&](auto* kc, auto* vc) {
-        pack_row(kc, vc, ks, vs, tables + b * s.max_blocks, start[b] + len[b], padded[b], h, s,
+        pack_row(kc, vc, ks, vs, tables + b * s.max_blocks, ctx[b], padded[b], h, s,
                  kpb + offset[b] + h * words, vpb + offset[b] + h * words);
       };
       if (cache_type == at::kBFloat16)
@@ -380,7 +376,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
       const Task& task = tasks[n];
       const int64_t b = task.b, h = task.h, words = padded[b] * half;
       const int64_t rows = std::min<int64_t>(kRows, len[b] * group - task.row0);
-      const int64_t keys = task.cost, tiles = (keys + kTileKeys - 1) / kTileKeys;
+      const int64_t keys = task.keys, tiles = (keys + kTileKeys - 1) / kTileKeys;
       const int64_t stride = tiles * kTileKeys;
       scores.resize(kRows * stride);
       probs.resize(kRows * stride / 2);
@@ -420,6 +416,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention,
         "causal attention of prefill chunks from the paged KV cache (CPU, bf16)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("starts"),
-        py::arg("lens"), py::arg("scale"), py::arg("k_scales") = py::none(),
+        py::arg("context_lens"), py::arg("scale"), py::arg("k_scales") = py::none(),
         py::arg("v_scales") = py::none());
 }
