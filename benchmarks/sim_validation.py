@@ -9,11 +9,12 @@ Three modes: `engine`, the real EngineCore and ModelRunner in-process on the wal
 HTTP; every core, profiled so); `served`, `tandem serve` pinned to one core (`taskset`,
 OMP_NUM_THREADS=1, as an instance on its own device) with the bench client on the other; and
 `1p1d`, prefill and decode servers pinned to a core each behind `tandem proxy`, profiled on
-one core. Each mode is profiled right before and right after its runs (this
-machine is shared: its speed drifts), on the shapes the workload's steps have, and simulated
-with the mean of the two. Each rate gets its own seed, so no prompt is cached from an earlier
-point. Prints mean and p99 TTFT and mean TPOT, real and simulated, and the simulation's
-error. In engine mode the same requests are also simulated with a cost model fitted on the
+one core. Each rate point is profiled right before and right after its run, on the shapes
+the workload's steps have, and simulated with the mean of the two: this machine is shared,
+its speed drifts by tens of percent over minutes, and profiles bracketing a whole mode's
+runs (as the first versions took them) were up to 36% apart. Each rate gets its own seed,
+so no prompt is cached from an earlier point. Prints mean and p99 TTFT and mean TPOT, real
+and simulated, and the simulation's error. In engine mode the same requests are also simulated with a cost model fitted on the
 steps the real run ran (`engine-own`): this host's speed drifts by tens of percent from one
 minute to the next, and near saturation queueing turns that into larger latency errors; the
 second figure separates what the simulator gets wrong from what the host did.
@@ -77,7 +78,7 @@ def profile(path: Path, cores: str | None, threads: int | None):
 
 
 def bracketed(before, after, path: Path) -> tuple[Path, float]:
-    """The mean of the profiles taken before and after the runs (the machine is shared and
+    """The mean of the profiles taken before and after a run (the machine is shared and
     drifts), and how far apart they are over the grid's decode and prefill steps."""
     from tandem.core.cost_model import CostModel, StepShape
 
@@ -85,7 +86,7 @@ def bracketed(before, after, path: Path) -> tuple[Path, float]:
               for p in (0, 64, 192, 384) for d in (0, 1, 4, 12) for c in (128, 384) if p or d]  # fmt: skip
     drift = sum(abs(after.predict(s) / before.predict(s) - 1) for s in shapes) / len(shapes)
     mean = CostModel(tuple((a + b) / 2 for a, b in zip(before.coef, after.coef)),
-                     {"source": "mean of the profiles before and after the runs", "drift": drift},
+                     {"source": "mean of the profiles before and after a run", "drift": drift},
                      before.wide_rows,
                      tuple((a + b) / 2 for a, b in zip(before.noise, after.noise)))  # fmt: skip
     mean.save(path)
@@ -133,31 +134,34 @@ def sim_requests(args, rate: float, point: int, n: int | None = None):
     return from_bench(sessions, encode, rate, 1.0, args.seed + point)
 
 
-def replay_engine(args, rates: list[float]) -> tuple[list[dict], list[list], int | None]:
-    """Each rate's requests through the real EngineCore and ModelRunner in this process (the
-    engine loop `tandem serve` runs, without HTTP), summarized as a bench run is; with the
-    (shape, seconds) of every step each rate ran, and where the runner switches kernels."""
+def engine_runner(args, rates: list[float]):
+    """The real EngineCore and ModelRunner in this process (the engine loop `tandem serve`
+    runs, without HTTP), warmed up; a function running one rate's requests through it,
+    summarized as a bench run is, with the (shape, seconds) of every step it ran; and where
+    the runner switches kernels."""
     from tandem.bench import metrics
     from tandem.engine.builder import build_engine
     from tandem.engine.config import EngineConfig
+    from tandem.engine.heap import freeze_startup_heap
     from tandem.sim.replay import replay
     from tandem.sim.report import to_results
 
     core, loaded = build_engine(EngineConfig(num_kv_blocks=BLOCKS, max_num_batched_tokens=BATCHED))
+    freeze_startup_heap("engine")  # as the served engine core does: no full-collection stalls
     steps, observe = [], core.scheduler.observe_step
     core.scheduler.observe_step = lambda plan, sec: (steps.append((plan.shape, sec)), observe(plan, sec))  # fmt: skip
     # warm-up, on a seed no point uses, whole: the first write to each KV page (the pool is
     # mapped lazily) ran a replay 2x slow (tests/sim/test_validation.py)
     replay(core, sim_requests(args, max(rates), len(rates)))
-    results, runs = [], []
-    for i, rate in enumerate(rates):
+
+    def run(i: int, rate: float) -> tuple[dict, list]:
         steps.clear()
         requests = sim_requests(args, rate, i)
         records = replay(core, requests)
         end = max(r.finished for r in records)
-        results.append(metrics.summarize(to_results(records), end - requests[0].arrival))
-        runs.append(list(steps))
-    return results, runs, loaded.kernel_switch_rows
+        return metrics.summarize(to_results(records), end - requests[0].arrival), list(steps)
+
+    return run, loaded.kernel_switch_rows
 
 
 def own_steps(steps, wide_rows, path: Path, profiled: Path) -> Path:
@@ -228,51 +232,63 @@ def main() -> None:
         server.cmd = ["taskset", "-c", core, *server.cmd]
         return server
 
+    def measure(mode: str):
+        """The mode's real runs, one per rate, each followed by a profile (point i is
+        bracketed by profiles i and i + 1; a new seed each rate, so nothing is cached from an
+        earlier point): the runs' results, the profiles, the engine's steps per run and where
+        its kernels switch (engine mode), and the calibration (served modes)."""
+        taken, reals = [profile(profiles / f"{mode}-0.json", *how[mode])], []
+
+        def each_rate(run_one) -> None:
+            for i, rate in enumerate(rates):
+                reals.append(run_one(i, rate))
+                taken.append(profile(profiles / f"{mode}-{i + 1}.json", *how[mode]))
+
+        if mode == "engine":  # the real EngineCore in this process, no HTTP
+            run_engine, wide = engine_runner(args, rates)
+            each_rate(run_engine)
+            return [r for r, _ in reals], taken, [steps for _, steps in reals], wide, None
+        if mode == "served":  # one core for the server, the other for the client
+            servers = [pin(tandem_server(free_port(), None, engine, out / "served.log"), "1")]
+        else:
+            p = pin(tandem_server(free_port(), None, [*engine, "--role", "prefill"],
+                                  out / "p.log"), "0")  # fmt: skip
+            d = pin(tandem_server(free_port(), None, [*engine, "--role", "decode"],
+                                  out / "d.log"), "1")  # fmt: skip
+            port = free_port()
+            cmd = [sys.executable, "-m", "tandem.cli", "proxy", "--host", "127.0.0.1",
+                   "--port", str(port), "--prefill", p.base_url, "--decode", d.base_url]  # fmt: skip
+            servers = [p, d, ManagedServer("proxy", cmd, f"http://127.0.0.1:{port}",
+                                           out / "proxy.log")]  # fmt: skip
+        for s in servers:
+            s.start()
+        try:
+            for s in servers:
+                s.wait_ready(600)
+            client, url = ("0" if mode == "served" else None), servers[-1].base_url
+            for n in (1, 0):  # the first warms the servers up (its own prompts: no cache hit)
+                calibration = calibrate(url, out, mode, args, client, CALIBRATION_POINT + n)
+            each_rate(lambda i, rate: bench(url, out, f"{mode}-{rate:g}", args, rate, i, client))
+        finally:
+            for s in reversed(servers):
+                s.stop()
+        return reals, taken, [], None, calibration
+
     rows, drifts, latencies = [], {}, {}
     for mode in modes:
-        before = profile(profiles / f"{mode}-before.json", *how[mode])
-        if mode == "engine":  # the real EngineCore in this process, no HTTP
-            reals, runs, wide = replay_engine(args, rates)
-        else:
-            if mode == "served":  # one core for the server, the other for the client
-                servers = [pin(tandem_server(free_port(), None, engine, out / "served.log"), "1")]
-            else:
-                p = pin(tandem_server(free_port(), None, [*engine, "--role", "prefill"],
-                                      out / "p.log"), "0")  # fmt: skip
-                d = pin(tandem_server(free_port(), None, [*engine, "--role", "decode"],
-                                      out / "d.log"), "1")  # fmt: skip
-                port = free_port()
-                cmd = [sys.executable, "-m", "tandem.cli", "proxy", "--host", "127.0.0.1",
-                       "--port", str(port), "--prefill", p.base_url, "--decode", d.base_url]  # fmt: skip
-                servers = [p, d, ManagedServer("proxy", cmd, f"http://127.0.0.1:{port}",
-                                               out / "proxy.log")]  # fmt: skip
-            for s in servers:
-                s.start()
-            reals = []
-            try:
-                for s in servers:
-                    s.wait_ready(600)
-                client = "0" if mode == "served" else None
-                for n in (1, 0):  # the first warms the servers up (its own prompts: no cache hit)
-                    calibration = calibrate(servers[-1].base_url, out, mode, args, client,
-                                            CALIBRATION_POINT + n)  # fmt: skip
-                for i, rate in enumerate(rates):  # a new seed each: nothing cached from before
-                    reals.append(bench(servers[-1].base_url, out, f"{mode}-{rate:g}", args, rate,
-                                       i, client))  # fmt: skip
-            finally:
-                for s in reversed(servers):
-                    s.stop()
-        after = profile(profiles / f"{mode}-after.json", *how[mode])
-        cost, drifts[mode] = bracketed(before, after, profiles / f"{mode}.json")
+        reals, taken, runs, wide, calibration = measure(mode)
+        costs = [bracketed(taken[i], taken[i + 1], profiles / f"{mode}-{rate:g}.json")
+                 for i, rate in enumerate(rates)]  # fmt: skip
+        drifts[mode] = [drift for _, drift in costs]
         latency = latencies[mode] = 0.0
         if mode != "engine":  # what the calibration requests took beyond their simulated steps
-            real, spaced = calibration
-            sim = simulate(cluster(mode, cost, noise=False), ROOT, spaced)
+            real, spaced = calibration  # timed just before the first rate: its profiles
+            sim = simulate(cluster(mode, costs[0][0], noise=False), ROOT, spaced)
             latency = latencies[mode] = max(0.0, real["mean_ttft_ms"] - sim["mean_ttft_ms"])
             print(f"{mode}: {latency:.0f} ms a request outside the engine's steps "
                   f"({real['mean_ttft_ms']:.0f} ms real TTFT one at a time, "
                   f"{sim['mean_ttft_ms']:.0f} simulated)", flush=True)  # fmt: skip
-        for i, (rate, real) in enumerate(zip(rates, reals)):
+        for i, (rate, real, (cost, _)) in enumerate(zip(rates, reals, costs)):
             real = {k: real[k] for k in KEYS}
             for name, noise in ((mode, True), (f"{mode} fixed", False)):
                 sim = simulate(cluster(mode, cost, latency, noise), ROOT,
@@ -308,8 +324,11 @@ def main() -> None:
         print("engine-own: the engine's requests simulated with a cost model fitted on that run's "
               "own steps (the host's speed while it ran, not the profile's)")  # fmt: skip
     for mode, drift in drifts.items():
-        print(f"{mode}: the profiles before and after its runs differ by {drift:.0%} on average "
-              f"(the machine's own drift; the simulation uses their mean)")  # fmt: skip
+        print(
+            f"{mode}: the profiles before and after each rate's run differ by "
+            + ", ".join(f"{d:.0%}" for d in drift)
+            + " on average (the machine's own drift; each point is simulated with their mean)"
+        )
     doc = {"drift": drifts, "latency_ms": latencies,
            "points": [{"mode": m, "rate": r, "real": a, "simulated": b} for m, r, a, b in rows]}  # fmt: skip
     (out / "validation.json").write_text(json.dumps(doc, indent=2) + "\n")

@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import msgspec
 import zmq
 
+from tandem.engine.heap import freeze_startup_heap
 from tandem.engine.messages import (
     ABORT,
     ADD,
@@ -250,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         outbox.send(encoder.encode(CoreFailed(message)))
         ctx.destroy(linger=5000)
         return 1
+    freeze_startup_heap("engine core")
     outbox.send(encoder.encode(_ready(core, loaded, kv)))
     proc = EngineCoreProc(core, inbox, outbox, args.parent_pid, kv, sender)
     try:

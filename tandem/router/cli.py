@@ -8,6 +8,8 @@ import asyncio
 import logging
 import os
 
+from tandem.engine.heap import freeze_startup_heap
+
 
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="0.0.0.0")
@@ -134,6 +136,7 @@ def _serve(app, pool, args, what: str) -> int:
                 await pool.stop()
 
     logging.getLogger("tandem").info("router on %s:%d: %s", args.host, args.port, what)
+    freeze_startup_heap("router")  # it relays every streamed token: no full-collection stalls
     try:
         asyncio.run(main())
     finally:

@@ -19,6 +19,8 @@ import socket
 
 import uvicorn
 
+from tandem.engine.heap import freeze_startup_heap
+
 log = logging.getLogger("tandem")
 DEAD_LINGER_S = 1.0  # after the engine dies, /health answers 503 this long, then we exit 1
 
@@ -203,6 +205,7 @@ async def _serve(args: argparse.Namespace, config, model: str | None, sock) -> i
         engine.on_dead = shutdown.on_engine_dead
         if engine.dead:  # died while we were setting up
             shutdown.on_engine_dead(engine.dead)
+        freeze_startup_heap("API server")
         log.info(
             "serving %s on %s:%d (engine core pid %d)",
             names[0],
