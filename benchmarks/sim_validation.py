@@ -14,10 +14,10 @@ the workload's steps have, and simulated with the mean of the two: this machine 
 its speed drifts by tens of percent over minutes, and profiles bracketing a whole mode's
 runs (as the first versions took them) were up to 36% apart. Each rate gets its own seed,
 so no prompt is cached from an earlier point. Prints mean and p99 TTFT and mean TPOT, real
-and simulated, and the simulation's error. In engine mode the same requests are also simulated with a cost model fitted on the
-steps the real run ran (`engine-own`): this host's speed drifts by tens of percent from one
-minute to the next, and near saturation queueing turns that into larger latency errors; the
-second figure separates what the simulator gets wrong from what the host did.
+and simulated, and the simulation's error. In engine mode the same requests are also
+simulated with a cost model fitted on the steps the real run ran (`engine-own`): near
+saturation queueing turns the host's drift into larger latency errors, and this second
+figure separates what the simulator gets wrong from what the host did.
 
 Each step's simulated time is drawn from the spread of the profile's single runs (its
 step_noise; the `fixed` rows take the fitted time exactly). Served and 1p1d first time
