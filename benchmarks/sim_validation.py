@@ -13,7 +13,9 @@ one core. Each rate point is profiled right before and right after its run, on t
 the workload's steps have, and simulated with the mean of the two: this machine is shared,
 its speed drifts by tens of percent over minutes, and profiles bracketing a whole mode's
 runs (as the first versions took them) were up to 36% apart. Each rate gets its own seed,
-so no prompt is cached from an earlier point. Prints mean and p99 TTFT and mean TPOT, real
+so no prompt is cached from an earlier point. Runs, like the profile, are timed on mapped KV
+pages: the engine maps its pool first, the servers first take prompts enough to cycle theirs
+(a fresh pool's first writes are page faults; see warm_pool). Prints mean and p99 TTFT and mean TPOT, real
 and simulated, and the simulation's error. In engine mode the same requests are also
 simulated with a cost model fitted on the steps the real run ran (`engine-own`): near
 saturation queueing turns the host's drift into larger latency errors, and this second
@@ -47,6 +49,7 @@ BATCHED = 2048  # max_num_batched_tokens (the server default)
 KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")
 STATISTIC = "median"  # of a profile point's repeats: what a run of many steps meets
 CALIBRATION, CALIBRATION_POINT = 8, 100  # requests timed one at a time, and their seed offset
+WARM_LEN = 1024  # prompt tokens of the requests that cycle a server's KV pool once
 
 
 GRID = [
@@ -107,6 +110,21 @@ def bench(url: str, out: Path, name: str, args, rate: float, point: int, cores=N
     return json.loads((out / f"{name}.json").read_text())
 
 
+def warm_pool(url: str, out: Path, mode: str, cores) -> None:
+    """Prompts enough to cycle the servers' whole KV pool once (seeded apart from every
+    point). A server's pool maps its pages as they are first written, each a page fault:
+    steps on fresh blocks ran up to 10x slow in a profile, which times steady state (pages
+    mapped, as a server's are once traffic has been through its pool), as the runs must."""
+    n = BLOCKS * BLOCK // WARM_LEN + 4
+    cmd = ["taskset", "-c", cores] if cores else []
+    cmd += [sys.executable, "-m", "tandem.cli", "bench", "serve", "--base-url", url,
+            "--ignore-eos", "--disable-tqdm", "--dataset-name", "random", "--num-prompts",
+            str(n), "--random-input-len", str(WARM_LEN), "--random-output-len", "1",
+            "--random-range-ratio", "0", "--max-concurrency", "4", "--seed", "999"]  # fmt: skip
+    print(f"{mode}: {n} prompts of {WARM_LEN} tokens through the KV pool", flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+
+
 def calibrate(url: str, out: Path, mode: str, args, cores, point: int) -> tuple[dict, list]:
     """CALIBRATION requests one at a time (no queueing), on a seed no point uses: the real
     TTFTs, and the requests to simulate them with (spaced so none overlaps another). What the
@@ -148,10 +166,11 @@ def engine_runner(args, rates: list[float]):
 
     core, loaded = build_engine(EngineConfig(num_kv_blocks=BLOCKS, max_num_batched_tokens=BATCHED))
     freeze_startup_heap("engine")  # as the served engine core does: no full-collection stalls
+    core.runner.map_kv_pool()  # steady state, as the profile times it (see warm_pool)
     steps, observe = [], core.scheduler.observe_step
     core.scheduler.observe_step = lambda plan, sec: (steps.append((plan.shape, sec)), observe(plan, sec))  # fmt: skip
-    # warm-up, on a seed no point uses, whole: the first write to each KV page (the pool is
-    # mapped lazily) ran a replay 2x slow (tests/sim/test_validation.py)
+    # warm-up, on a seed no point uses, whole: before the pool was mapped up front its first
+    # writes ran a replay 2x slow (tests/sim/test_validation.py); the rest warms up too
     replay(core, sim_requests(args, max(rates), len(rates)))
 
     def run(i: int, rate: float) -> tuple[dict, list]:
@@ -177,6 +196,11 @@ def own_steps(steps, wide_rows, path: Path, profiled: Path) -> Path:
     CostModel(own.coef, info, wide_rows, noise).save(path)
     print(f"{len(steps)} steps ran {slower:+.0%} against the profile's prediction", flush=True)
     return path
+
+
+def busiest(sim: dict) -> float:
+    """The simulated utilisation of the busiest group (a 1p1d pair: its prefill or decode)."""
+    return max(g["utilization"] for g in sim["groups"].values())
 
 
 def simulate(cluster: dict, base: Path, requests) -> dict:
@@ -266,6 +290,7 @@ def main() -> None:
             for s in servers:
                 s.wait_ready(600)
             client, url = ("0" if mode == "served" else None), servers[-1].base_url
+            warm_pool(url, out, mode, client)
             for n in (1, 0):  # the first warms the servers up (its own prompts: no cache hit)
                 calibration = calibrate(url, out, mode, args, client, CALIBRATION_POINT + n)
             each_rate(lambda i, rate: bench(url, out, f"{mode}-{rate:g}", args, rate, i, client))
@@ -293,29 +318,33 @@ def main() -> None:
             for name, noise in ((mode, True), (f"{mode} fixed", False)):
                 sim = simulate(cluster(mode, cost, latency, noise), ROOT,
                                sim_requests(args, rate, i))  # fmt: skip
-                rows.append((name, rate, real, {k: sim[k] for k in KEYS}))
+                rows.append((name, rate, real, {k: sim[k] for k in KEYS}, busiest(sim)))
                 print(name, rate, real, rows[-1][3], flush=True)
             if mode == "engine":  # the same requests, priced by the run's own steps
                 own = own_steps(runs[i], wide, profiles / f"engine-{rate:g}-own.json", cost)
                 sim = simulate(cluster(mode, own), ROOT, sim_requests(args, rate, i))
-                rows.append(("engine-own", rate, real, {k: sim[k] for k in KEYS}))
+                rows.append(("engine-own", rate, real, {k: sim[k] for k in KEYS}, busiest(sim)))
 
     print(f"\n{args.num_prompts} requests a point, random {args.input_len} in / {args.output_len} "
           f"out (range ratio {args.range_ratio}), seed {args.seed}; {os.cpu_count()} cores")  # fmt: skip
-    head = f"{'mode':<14} {'rate':>5}" + "".join(f" {k.replace('_ms', ''):>22}" for k in KEYS)
-    print(head + "\n" + " " * 20 + "".join(f" {'real / sim / err':>22}" for _ in KEYS))
+    head = f"{'mode':<14} {'rate':>5} {'busy':>5}" + "".join(
+        f" {k.replace('_ms', ''):>22}" for k in KEYS
+    )
+    print(head + "\n" + " " * 26 + "".join(f" {'real / sim / err':>22}" for _ in KEYS))
     worst: dict[str, float] = {}
-    for mode, rate, real, sim in rows:
+    for mode, rate, real, sim, busy in rows:
         cells = ""
         for k in KEYS:
             err = sim[k] / real[k] - 1
             worst[mode] = max(worst.get(mode, 0.0), abs(err))
             cells += f" {real[k]:>7.0f} {sim[k]:>7.0f} {err:>+6.0%}"
-        print(f"{mode:<14} {rate:>5g}{cells}")
+        print(f"{mode:<14} {rate:>5g} {busy:>5.0%}{cells}")
     print("largest error: " + ", ".join(f"{m} {e:.0%}" for m, e in worst.items())
           + " (target: within 15%)")  # fmt: skip
     print("'fixed': every step takes the profile's time; the other rows draw each step's time "
-          "from the spread of the profile's single runs (its step_noise)")  # fmt: skip
+          "from the spread of the profile's single runs (its step_noise); 'busy': the simulated "
+          "share of time its busiest instance computes (near 100% queueing turns any error in "
+          "step time into a far larger one in latency)")  # fmt: skip
     for mode, latency in latencies.items():
         if mode != "engine":
             print(f"{mode}: latency_ms {latency:.0f} (the fixed cost outside the engine's steps, "
@@ -330,7 +359,8 @@ def main() -> None:
             + " on average (the machine's own drift; each point is simulated with their mean)"
         )
     doc = {"drift": drifts, "latency_ms": latencies,
-           "points": [{"mode": m, "rate": r, "real": a, "simulated": b} for m, r, a, b in rows]}  # fmt: skip
+           "points": [{"mode": m, "rate": r, "real": a, "simulated": b, "simulated_busy": u}
+                      for m, r, a, b, u in rows]}  # fmt: skip
     (out / "validation.json").write_text(json.dumps(doc, indent=2) + "\n")
 
 

@@ -64,3 +64,21 @@ def test_profile_times_the_grid_in_passes_so_noise_cannot_inflate_all_runs_of_on
     assert order[: 3 * len(shapes)] == shapes * 3  # a warm-up pass, then one pass per repeat
     assert all(3 <= order.count(s) <= 1 + 3 * 2 for s in shapes)  # more runs only if unsettled
     assert core.scheduler.kv.num_free_blocks == core.scheduler.kv.num_usable_blocks
+
+
+def test_profile_times_steps_on_a_kv_pool_whose_pages_are_all_mapped(llama_path):
+    # a fresh pool maps its pages as steps first touch them: a one-off cost of page faults
+    # the profile must not count as a step's time
+    from tandem.engine.builder import build_engine
+    from tandem.engine.config import EngineConfig
+    from tandem.runner.profile import ProfileGrid, profile_steps
+    from tests.runner.test_kv_pool import resident_bytes
+
+    config = EngineConfig(model=str(llama_path), dtype="float32", kv_cache_memory=0.05)
+    core, loaded = build_engine(config)
+    pool = core.runner.kv_cache
+    assert resident_bytes(pool) < pool.nbytes // 4  # nothing written yet
+    grid = ProfileGrid(prefill_tokens=(16,), prefill_chunks=(1,), prefill_context=(0,),
+                       decode_rows=(0,), decode_context=(16,))  # fmt: skip
+    profile_steps(core, grid, loaded.model_config.vocab_size, repeats=2)
+    assert resident_bytes(pool) >= pool.nbytes  # more than the few blocks the steps used

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tandem.runner.model_runner import zeroed_pool
+from tandem.runner.model_runner import map_pages, zeroed_pool
 
 MB = 1 << 20
 
@@ -16,8 +16,8 @@ def _rss() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def _mapping_flags(address: int) -> list[str]:
-    """VmFlags of the mapping holding `address` (/proc/self/smaps)."""
+def mapping_field(address: int, field: str) -> list[str]:
+    """A field of the mapping holding `address` (/proc/self/smaps), e.g. VmFlags or Rss."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -25,9 +25,20 @@ def _mapping_flags(address: int) -> list[str]:
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= address < hi
-            elif inside and head == "VmFlags:":
+            elif inside and head == f"{field}:":
                 return line.split()[1:]
     raise AssertionError("no mapping holds the pool")
+
+
+def resident_bytes(pool: torch.Tensor) -> int:
+    """How much of the mapping holding `pool` is in memory."""
+    size, unit = mapping_field(pool.data_ptr(), "Rss")
+    assert unit == "kB"
+    return int(size) * 1024
+
+
+def _mapping_flags(address: int) -> list[str]:
+    return mapping_field(address, "VmFlags")
 
 
 def test_the_pool_is_zeros_and_takes_memory_only_where_written():
@@ -39,6 +50,14 @@ def test_the_pool_is_zeros_and_takes_memory_only_where_written():
     pool[:2048] = 1.0  # 64 MiB written
     assert pool[2047].sum().item() == 16 * 8 * 64 and pool[2048].abs().sum().item() == 0
     assert 56 * MB < _rss() - before < 128 * MB
+
+
+def test_mapping_a_pool_maps_every_page_and_leaves_it_zeros():
+    pool = zeroed_pool((1024, 16, 8, 64), torch.bfloat16, torch.device("cpu"))  # 16 MiB
+    assert resident_bytes(pool) < 4 * MB
+    map_pages(pool)
+    assert resident_bytes(pool) >= pool.nbytes
+    assert pool.abs().sum().item() == 0.0
 
 
 def test_the_pool_is_not_advised_for_huge_pages():

@@ -62,9 +62,8 @@ def test_a_profiled_simulation_tracks_the_real_engine_on_this_machine(tmp_path):
     vocab = loaded.model_config.vocab_size
     profile = CostModel.fit(profile_steps(core, GRID, vocab, repeats=3))
     requests = workload(vocab)
-    # warm-up: first-call costs are not what a profile measures, and neither is the first
-    # write to each KV page (the pool is mapped lazily): a first replay ran 2x slow, its
-    # prefills most of all
+    # warm-up: first-call costs are not what a profile measures (nor are first writes to KV
+    # pages, which ran a first replay 2x slow before profile_steps mapped the pool)
     replay(core, requests)
     # Each run's steps, timed and as the profile prices them: this host's speed swings by 2x
     # for seconds at a time, a swing the profile may have missed. A run is compared with a
