@@ -15,8 +15,9 @@ its speed drifts by tens of percent over minutes, and profiles bracketing a whol
 runs (as the first versions took them) were up to 36% apart. Each rate gets its own seed,
 so no prompt is cached from an earlier point. Runs, like the profile, are timed on mapped KV
 pages: the engine maps its pool first, the servers first take prompts enough to cycle theirs
-(a fresh pool's first writes are page faults; see warm_pool). Prints mean and p99 TTFT and mean TPOT, real
-and simulated, and the simulation's error. In engine mode the same requests are also
+(a fresh pool's first writes are page faults; see warm_pool). Prints mean and p99 TTFT and
+mean TPOT, real and simulated, the simulation's error, and each point's simulated
+utilisation. In engine mode the same requests are also
 simulated with a cost model fitted on the steps the real run ran (`engine-own`): near
 saturation queueing turns the host's drift into larger latency errors, and this second
 figure separates what the simulator gets wrong from what the host did.

@@ -114,13 +114,13 @@ class ModelRunner:
         self.proposer = None
         self.lora = None  # a LoRAManager when LoRA is enabled (enable_lora)
 
-    # ---- LoRA adapters ---------------------------------------------------------------
     def map_kv_pool(self) -> None:
         """Map every page of the KV pool (map_pages), before anything is cached in it."""
         map_pages(self.kv_cache)
         if self.kv_scales is not None:
             map_pages(self.kv_scales)
 
+    # ---- LoRA adapters ---------------------------------------------------------------
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
         from tandem.lora.manager import LoRAManager
 

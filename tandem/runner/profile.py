@@ -81,7 +81,7 @@ def profile_steps(core, grid: ProfileGrid, vocab_size: int, repeats: int = 3, on
               if cp + p < limit and cd + 1 < limit]  # fmt: skip
     # Steady-state steps, on mapped pages: the pool's first pass is a one-off cost of page
     # faults that made the first timed runs of some points up to 10x slow (its step noise's
-    # 97.5th percentile 2.9x against 1.06x on mapped pages)
+    # 97.5th percentile 2.9x, against 1.04-1.10x on mapped pages)
     core.runner.map_kv_pool()
     points = [point for point in points if run(point) is not None]  # the warm-up pass
     seconds = {point: [] for point in points}
