@@ -51,6 +51,7 @@ KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")
 STATISTIC = "median"  # of a profile point's repeats: what a run of many steps meets
 CALIBRATION, CALIBRATION_POINT = 8, 100  # requests timed one at a time, and their seed offset
 WARM_LEN = 1024  # prompt tokens of the requests that cycle a server's KV pool once
+WARM_POINT = 200  # their seed offset
 
 
 GRID = [
@@ -111,19 +112,16 @@ def bench(url: str, out: Path, name: str, args, rate: float, point: int, cores=N
     return json.loads((out / f"{name}.json").read_text())
 
 
-def warm_pool(url: str, out: Path, mode: str, cores) -> None:
+def warm_pool(url: str, out: Path, mode: str, args, cores) -> None:
     """Prompts enough to cycle the servers' whole KV pool once (seeded apart from every
     point). A server's pool maps its pages as they are first written, each a page fault:
     steps on fresh blocks ran up to 10x slow in a profile, which times steady state (pages
     mapped, as a server's are once traffic has been through its pool), as the runs must."""
     n = BLOCKS * BLOCK // WARM_LEN + 4
-    cmd = ["taskset", "-c", cores] if cores else []
-    cmd += [sys.executable, "-m", "tandem.cli", "bench", "serve", "--base-url", url,
-            "--ignore-eos", "--disable-tqdm", "--dataset-name", "random", "--num-prompts",
-            str(n), "--random-input-len", str(WARM_LEN), "--random-output-len", "1",
-            "--random-range-ratio", "0", "--max-concurrency", "4", "--seed", "999"]  # fmt: skip
     print(f"{mode}: {n} prompts of {WARM_LEN} tokens through the KV pool", flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    bench(url, out, f"{mode}-warm-up", args, float("inf"), WARM_POINT, cores,
+          ["--num-prompts", str(n), "--random-input-len", str(WARM_LEN),
+           "--random-output-len", "1", "--random-range-ratio", "0", "--max-concurrency", "4"])  # fmt: skip
 
 
 def calibrate(url: str, out: Path, mode: str, args, cores, point: int) -> tuple[dict, list]:
@@ -291,7 +289,7 @@ def main() -> None:
             for s in servers:
                 s.wait_ready(600)
             client, url = ("0" if mode == "served" else None), servers[-1].base_url
-            warm_pool(url, out, mode, client)
+            warm_pool(url, out, mode, args, client)
             for n in (1, 0):  # the first warms the servers up (its own prompts: no cache hit)
                 calibration = calibrate(url, out, mode, args, client, CALIBRATION_POINT + n)
             each_rate(lambda i, rate: bench(url, out, f"{mode}-{rate:g}", args, rate, i, client))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tandem.runner.model_runner import map_pages, zeroed_pool
+from tandem.runner.model_runner import zeroed_pool
 
 MB = 1 << 20
 
@@ -50,14 +50,6 @@ def test_the_pool_is_zeros_and_takes_memory_only_where_written():
     pool[:2048] = 1.0  # 64 MiB written
     assert pool[2047].sum().item() == 16 * 8 * 64 and pool[2048].abs().sum().item() == 0
     assert 56 * MB < _rss() - before < 128 * MB
-
-
-def test_mapping_a_pool_maps_every_page_and_leaves_it_zeros():
-    pool = zeroed_pool((1024, 16, 8, 64), torch.bfloat16, torch.device("cpu"))  # 16 MiB
-    assert resident_bytes(pool) < 4 * MB
-    map_pages(pool)
-    assert resident_bytes(pool) >= pool.nbytes
-    assert pool.abs().sum().item() == 0.0
 
 
 def test_the_pool_is_not_advised_for_huge_pages():
