@@ -60,7 +60,7 @@ GRID = [
     "--prefill-context",
     "0",
     "--decode-rows",
-    "0,1,4,12",
+    "0,1,4,5,8,12",
     "--decode-context",
     "128,384",
 ]  # the shapes this workload's steps have
@@ -92,7 +92,7 @@ def bracketed(before, after, path: Path) -> tuple[Path, float]:
     drift = sum(abs(after.predict(s) / before.predict(s) - 1) for s in shapes) / len(shapes)
     mean = CostModel(tuple((a + b) / 2 for a, b in zip(before.coef, after.coef)),
                      {"source": "mean of the profiles before and after a run", "drift": drift},
-                     before.wide_rows,
+                     before.kernels,
                      tuple((a + b) / 2 for a, b in zip(before.noise, after.noise)))  # fmt: skip
     mean.save(path)
     return path, drift
@@ -179,20 +179,20 @@ def engine_runner(args, rates: list[float]):
         end = max(r.finished for r in records)
         return metrics.summarize(to_results(records), end - requests[0].arrival), list(steps)
 
-    return run, loaded.kernel_switch_rows
+    return run, loaded.kernel_rows
 
 
-def own_steps(steps, wide_rows, path: Path, profiled: Path) -> Path:
+def own_steps(steps, kernels, path: Path, profiled: Path) -> Path:
     """A cost model fitted on the steps a real run ran (what the profile would be had the host
     held one speed), their spread about it, and how much slower than the profile they were."""
     from tandem.core.cost_model import CostModel, noise_quantiles
 
     model = CostModel.load(profiled)
     slower = sum(t for _, t in steps) / sum(model.predict(s) for s, _ in steps) - 1
-    own = CostModel.fit(steps, wide_rows)
+    own = CostModel.fit(steps, kernels)
     noise = noise_quantiles([[t] for _, t in steps], [own.predict(s) for s, _ in steps])
     info = {"source": "the run's own steps", "vs_profile": slower}
-    CostModel(own.coef, info, wide_rows, noise).save(path)
+    CostModel(own.coef, info, kernels, noise).save(path)
     print(f"{len(steps)} steps ran {slower:+.0%} against the profile's prediction", flush=True)
     return path
 

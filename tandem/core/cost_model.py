@@ -2,8 +2,9 @@
 
     step seconds = c0 + c_prefill * prefill tokens + c_decode * decode rows
                  + c_kv * KV tokens read + c_chunk * chunk attention
-                 + c_narrow * min(rows, wide_rows) + c_wide * (rows > wide_rows)
+                 + c_narrow * min(rows, wide) + c_wide * (rows > wide)
                  + c_rows * prefill chunks + c_own * chunks' own attention
+                 + c_tiles * kernel tiles + c_head * head tiles + c_head_wide * (head dense)
 
 "KV tokens read" is the context decode rows read (one query against every earlier token: a
 memory-bound read of their KV); "chunk attention" is the (query, key) pairs of prefill chunks,
@@ -11,16 +12,21 @@ n * start against earlier KV plus n * (n + 1) / 2 of their own (many queries sha
 compute-bound, quadratic, and the prefill path pads to power-of-two buckets). Keeping the two
 apart is what lets one model fit a CPU profile and an accelerator's roofline alike. The
 narrow/wide terms are for a runner that changes kernels with the step's rows (prefill tokens
-plus decode rows): on quantized weights, up to `wide_rows` rows the weight-only kernels cost
+plus decode rows): on quantized weights, up to `wide` rows the weight-only kernels cost
 more per row, past them each weight is dequantized for a dense matmul, a fixed cost a step
 pays once (measured on the default model's GGUF blocks, 2-core EPYC: 33 prefill tokens took
-55 ms, 32 took 79). The last two price a loaded step's several prefill chunks: each is its
-own padded attention call, and a chunk's pairs with itself cost more than those with earlier
-context (on the default model: 384 prompt tokens in one chunk 246 ms, in four 146 ms; a
-model without these terms over-predicted the four by 39% and under-predicted four 16-token
-chunks by 22%). The model is linear in these, fitted by least squares on relative error
-(`tandem profile`, or online from the steps the engine runs), and serialized as a small
-JSON file. The SLO scheduler asks it whether a batch keeps every running request inside its
+55 ms, 32 took 79). The chunk terms price a loaded step's several prefill chunks: each is
+its own padded attention call, and a chunk's pairs with itself cost more than those with
+earlier context (on the default model: 384 prompt tokens in one chunk 246 ms, in four 146
+ms; a model without these terms over-predicted the four by 39% and under-predicted four
+16-token chunks by 22%). The last three are the weight-only kernels' staircase
+(`KernelRows`): torch's CPU kernels compute 4 rows per pass over the weights, each pass
+reading and dequantizing every weight again (one 1536x576 Q4_1 projection: 26 us at 4 rows,
+49 at 5), and the output head, run on the rows that sample, turns dense sooner than the
+body (on the default model a decode step of 5 rows took 16.6 ms, of 4 11.3; a fit without
+these terms was off by up to 15% on decode steps of 1 to 32 rows, with them by 6%). The
+model is linear in these, fitted by least squares on relative error (`tandem profile`, or
+online from the steps the engine runs), and serialized as a small JSON file. The SLO scheduler asks it whether a batch keeps every running request inside its
 TPOT; the router and the simulator ask it how long a step takes. Pure Python, no torch.
 """
 
@@ -33,11 +39,29 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 FEATURES = ("const", "prefill_tokens", "decode_rows", "kv_tokens", "chunk_kv", "narrow_rows",
-            "wide_step", "prefill_rows", "chunk_own")  # fmt: skip
+            "wide_step", "prefill_rows", "chunk_own", "kernel_tiles", "head_tiles", "head_wide")  # fmt: skip
 Coef = tuple[float, ...]
-SWITCH = (5, 6)  # features only a runner whose kernels switch has (wide_rows)
 # Files saved before a feature was added name a prefix of FEATURES: the rest read as zeros.
-SAVED_FEATURES = (FEATURES[:5], FEATURES[:7], FEATURES)
+SAVED_FEATURES = (FEATURES[:5], FEATURES[:7], FEATURES[:9], FEATURES)
+
+
+@dataclass(frozen=True)
+class KernelRows:
+    """Where a runner on weight-only quantized kernels changes cost with a step's rows (None:
+    it does not). Past `wide` rows (prefill tokens plus decode rows) the projections
+    dequantize their weights once for a dense matmul; past `head` sampled rows the output
+    head does. Up to them, each pass of the kernel computes `tile` rows and reads and
+    dequantizes every weight again: a step's cost is a staircase in its rows."""
+
+    wide: int | None = None
+    head: int | None = None
+    tile: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("wide", "head", "tile"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and value >= (name == "tile")):
+                raise ValueError(f"cost model: {name} rows must be an integer >= 0, got {value!r}")
 
 
 def chunk_kv(n: int) -> int:
@@ -103,6 +127,12 @@ class StepShape:
             self.chunk_own + chunk_own,
         )
 
+    @property
+    def sampled_rows(self) -> int:
+        """Rows the output head runs on: every decode row and prefill chunk (a chunk short of
+        its prompt's end samples nothing, but a step holds at most one such)."""
+        return self.decode_rows + self.prefill_rows
+
     def features(self) -> tuple[float, ...]:
         return (1.0, self.prefill_tokens, self.decode_rows, self.kv_tokens, self.chunk_kv)
 
@@ -110,10 +140,11 @@ class StepShape:
 @dataclass(frozen=True)
 class CostModel:
     # seconds per step, prefill token, decode row, KV token, chunk KV entry, row up to
-    # `wide_rows`, step past them, prefill chunk, own pair of a chunk (fewer given: zeros)
+    # kernels.wide, step past them, prefill chunk, own pair of a chunk, kernel tile, head
+    # tile, dense head (fewer given: zeros)
     coef: Coef
     info: dict | None = None  # where it came from: hardware, model, fit error
-    wide_rows: int | None = None  # rows where the runner switches kernels (None: it never does)
+    kernels: KernelRows = KernelRows()  # where the runner's kernels change (default: nowhere)
     # How far one run of a step strays from the fitted time, as equally likely ratios (each a
     # run's seconds over its profile point's): empty for a model with no measured spread.
     noise: tuple[float, ...] = ()
@@ -126,7 +157,7 @@ class CostModel:
             raise ValueError(f"cost model: expected {len(FEATURES)} coefficients, got {self.coef}")
 
     def predict(self, shape: StepShape) -> float:
-        return sum(map(operator.mul, self.coef, _features(shape, self.wide_rows)))
+        return sum(map(operator.mul, self.coef, _features(shape, self.kernels)))
 
     @property
     def seconds_per_prefill_token(self) -> float:
@@ -136,7 +167,7 @@ class CostModel:
     def fit(
         cls,
         points: Sequence[tuple[StepShape, float]],
-        wide_rows: int | None = None,
+        kernels: KernelRows = KernelRows(),
         anchor: CostModel | None = None,
         anchor_points: float = 0.0,
         ridge: float = 1e-9,
@@ -146,18 +177,24 @@ class CostModel:
         never gets faster with more work): a negative one is dropped and the rest refitted.
         With an `anchor`, each coefficient is pulled toward the anchor's as if it were
         `anchor_points` more points: what a few steps cannot tell apart (a handful of
-        decode steps of one size say nothing of the per-row cost) stays where it was."""
+        decode steps of one size say nothing of the per-row cost) stays where it was. A feature
+        none of the points has (no step past the wide rows in a window of decodes; a runner
+        whose kernels never switch) keeps the anchor's coefficient, or none."""
         if len(points) < 2:
             raise ValueError(f"cost model: need at least 2 measured steps, got {len(points)}")
-        rows = [(_features(shape, wide_rows), seconds) for shape, seconds in points]
-        active = [i for i in range(len(FEATURES)) if wide_rows is not None or i not in SWITCH]
+        rows = [(_features(shape, kernels), seconds) for shape, seconds in points]
+        active = [i for i in range(len(FEATURES)) if any(f[i] for f, _ in rows)]
         pull = None if anchor is None else (anchor.coef, anchor_points / len(points))
         while True:
             coef = _least_squares(rows, active, ridge, pull)
             negative = [i for i in active if coef[i] < 0]
             if not negative:
-                return cls(tuple(coef), wide_rows=wide_rows)
+                break
             active.remove(min(negative, key=lambda i: coef[i]))
+        unseen = [i for i in range(len(FEATURES)) if not any(f[i] for f, _ in rows)]
+        for i in unseen if anchor is not None else ():
+            coef[i] = anchor.coef[i]
+        return cls(tuple(coef), kernels=kernels)
 
     def mean_abs_error(self, points: Sequence[tuple[StepShape, float]]) -> float:
         """Mean of |predicted - measured| / measured."""
@@ -165,8 +202,10 @@ class CostModel:
 
     # ---- files ---------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"features": list(FEATURES), "coef": list(self.coef), "wide_rows": self.wide_rows,
-                "info": self.info or {}, "step_noise": list(self.noise)}  # fmt: skip
+        k = self.kernels
+        return {"features": list(FEATURES), "coef": list(self.coef), "wide_rows": k.wide,
+                "head_rows": k.head, "row_tile": k.tile, "info": self.info or {},
+                "step_noise": list(self.noise)}  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
@@ -176,14 +215,12 @@ class CostModel:
         known = [list(f) for f in SAVED_FEATURES]
         if names not in known or not isinstance(coef, list) or len(coef) != len(names):
             raise ValueError(f"cost model: expected coefficients for {list(FEATURES)}")
-        wide = data.get("wide_rows")
-        if wide is not None and not (isinstance(wide, int) and wide >= 0):
-            raise ValueError(f"cost model: wide_rows must be an integer >= 0, got {wide!r}")
+        kernels = KernelRows(data.get("wide_rows"), data.get("head_rows"), data.get("row_tile"))
         noise = data.get("step_noise", [])
         if not (isinstance(noise, list) and all(isinstance(r, (int, float)) and r > 0
                                                  for r in noise)):  # fmt: skip
             raise ValueError(f"cost model: step_noise must be a list of ratios > 0, got {noise!r}")
-        return cls(tuple(float(c) for c in coef), data.get("info") or None, wide,
+        return cls(tuple(float(c) for c in coef), data.get("info") or None, kernels,
                    tuple(float(r) for r in noise))  # fmt: skip
 
     def save(self, path: str | Path) -> None:
@@ -210,7 +247,7 @@ class OnlineCostModel:
         refit_every: int = 32,
         anchor_points: float = 2.0,
     ) -> None:
-        self.model = prior  # its wide_rows carry over to every refit
+        self.model = prior  # its kernels carry over to every refit
         self.window, self.refit_every = window, refit_every
         self.anchor_points = anchor_points  # the model in place counts as this many points
         self._points: list[tuple[StepShape, float]] = []
@@ -227,9 +264,9 @@ class OnlineCostModel:
     def coef(self) -> Coef:
         return self.model.coef
 
-    def switches_kernels_at(self, rows: int | None) -> None:
-        """The runner, once loaded, says where its kernels change (CostModel.wide_rows)."""
-        self.model = replace(self.model, wide_rows=rows)
+    def switches_kernels_at(self, kernels: KernelRows) -> None:
+        """The runner, once loaded, says where its kernels change (CostModel.kernels)."""
+        self.model = replace(self.model, kernels=kernels)
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         if seconds <= 0:
@@ -241,7 +278,7 @@ class OnlineCostModel:
         due = min(self.refit_every, max(8, len(self._points) - self._since_fit))
         if self._since_fit >= due and len(self._points) >= 8:
             self._since_fit = 0
-            self.model = CostModel.fit(self._points, self.model.wide_rows, self.model,
+            self.model = CostModel.fit(self._points, self.model.kernels, self.model,
                                        self.anchor_points)  # fmt: skip
 
 
@@ -254,13 +291,16 @@ def noise_quantiles(runs: Iterable[Sequence[float]], typical: Iterable[float], n
     return tuple(ratios[min(len(ratios) - 1, int((i + 0.5) / n * len(ratios)))] for i in range(n))
 
 
-def _features(shape: StepShape, wide_rows: int | None) -> tuple[float, ...]:
-    """The values FEATURES names, for a runner whose kernels switch past wide_rows rows."""
-    chunks = (shape.prefill_rows, shape.chunk_own)
-    if wide_rows is None:
-        return (*shape.features(), 0.0, 0.0, *chunks)
-    rows = shape.prefill_tokens + shape.decode_rows
-    return (*shape.features(), min(rows, wide_rows), 1.0 if rows > wide_rows else 0.0, *chunks)
+def _features(shape: StepShape, kernels: KernelRows) -> tuple[float, ...]:
+    """The values FEATURES names, for a runner whose kernels change where `kernels` says."""
+    rows, sampled = shape.prefill_tokens + shape.decode_rows, shape.sampled_rows
+    wide, head, tile = kernels.wide, kernels.head, kernels.tile
+    narrow, past = (0, 0) if wide is None else (min(rows, wide), rows > wide)
+    tiles = -(-rows // tile) if tile and not past else 0  # passes over the weights
+    head_past = head is not None and sampled > head
+    head_tiles = -(-sampled // tile) if tile and head is not None and not head_past else 0
+    return (*shape.features(), narrow, float(past), shape.prefill_rows, shape.chunk_own, tiles,
+            head_tiles, float(head_past))  # fmt: skip
 
 
 # A prior for a small model on a CPU, replaced as soon as real steps are timed.

@@ -27,7 +27,7 @@ def build_engine(config: EngineConfig, clock=None):
     cost = build_cost_model(config)  # before the model loads: a bad file fails at once
     loaded = build_model_runner(config)
     if isinstance(cost, OnlineCostModel):  # a profiled file already knows
-        cost.switches_kernels_at(loaded.kernel_switch_rows)
+        cost.switches_kernels_at(loaded.kernel_rows)
     if config.enable_lora:
         loaded.runner.enable_lora(config.max_loras, config.max_lora_rank)
     if config.speculative_config is not None:

@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem.core.cost_model import CostModel, noise_quantiles
+    from tandem.core.cost_model import CostModel, KernelRows, noise_quantiles
     from tandem.engine.builder import build_engine
     from tandem.engine.config import engine_config_from_args
     from tandem.runner.profile import profile_steps
@@ -65,12 +65,12 @@ def run(args: argparse.Namespace) -> int:
         statistic=args.statistic,
         runs=runs,
     )
-    wide = loaded.kernel_switch_rows  # the quantized layers change kernels past it
+    kernels = loaded.kernel_rows  # where the quantized layers change kernels
     # k-fold: each point is predicted once by a model that never saw it
     shuffled = random.Random(0).sample(points, len(points))
     folds = [shuffled[i :: args.folds] for i in range(args.folds)]
-    held_out_error = _held_out_error(folds, wide)
-    final = CostModel.fit(points, wide)
+    held_out_error = _held_out_error(folds, kernels)
+    final = CostModel.fit(points, kernels)
     info = {
         "model": str(loaded.model_path),
         "dtype": str(loaded.dtype).replace("torch.", ""),
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     }
     # how far single runs stray from a point's time: the simulator draws its steps from it
     noise = noise_quantiles(runs, [t for _, t in points])
-    final = CostModel(final.coef, info, wide, noise)
+    final = CostModel(final.coef, info, kernels, noise)
     final.save(args.output)
     c = final.coef
     print(
@@ -93,18 +93,40 @@ def run(args: argparse.Namespace) -> int:
         f"{c[4] * 1e9:.2f} ns/prefill attention pair + {c[7] * 1e3:.3f} ms/prefill chunk + "
         f"{c[8] * 1e9:.2f} ns/pair within a chunk"
         + (
-            f" + {c[5] * 1e3:.3f} ms/row up to {wide} rows + {c[6] * 1e3:.3f} ms past them"
-            if wide is not None
+            f" + {c[5] * 1e3:.3f} ms/row up to {kernels.wide} rows + {c[6] * 1e3:.3f} ms past them"
+            if kernels.wide is not None
             else ""
-        )  # fmt: skip
+        )
+        + (
+            f" + {c[9] * 1e3:.3f} ms/pass of {kernels.tile} rows over the weights"
+            if kernels.tile is not None
+            else ""
+        )
+        + (
+            f" + {c[10] * 1e3:.3f} ms/pass of the head up to {kernels.head} sampled rows + "
+            f"{c[11] * 1e3:.3f} ms past them"
+            if kernels.head is not None
+            else ""
+        )
     )
     one_chunk = [[(replace(s, prefill_rows=0, chunk_own=0), t) for s, t in f] for f in folds]
     print(
         f"held-out mean absolute error: {held_out_error:.1%} "
         f"({args.folds}-fold over {len(points)} points); "
-        f"{_held_out_error(one_chunk, wide):.1%} without the per-chunk terms"
-        + (f", {_held_out_error(folds, None):.1%} without the kernel-switch terms" if wide else "")
+        f"{_held_out_error(one_chunk, kernels):.1%} without the per-chunk terms"
+        + (
+            f", {_held_out_error(folds, KernelRows(kernels.wide)):.1%} without the passes over "
+            f"the weights, {_held_out_error(folds, KernelRows()):.1%} without any kernel terms"
+            if kernels != KernelRows()
+            else ""
+        )
     )
+    if kernels.tile is not None and any(s.prefill_tokens == 0 for s, _ in points):
+        decodes = lambda s: s.prefill_tokens == 0  # noqa: E731
+        print(
+            f"on the grid's decode steps: {_held_out_error(folds, kernels, decodes):.1%}, "
+            f"{_held_out_error(folds, KernelRows(kernels.wide), decodes):.1%} without the passes"
+        )
     mean = sum(noise) / len(noise)
     print(
         f"a single run of a step: {noise[0]:.2f}x to {noise[-1]:.2f}x its point's time "
@@ -114,14 +136,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _held_out_error(folds, wide_rows: int | None) -> float:
-    """Mean relative error of each point predicted by a fit on the other folds."""
+def _held_out_error(folds, kernels, only=lambda shape: True) -> float:
+    """Mean relative error of each point (of those `only` picks) predicted by a fit on the
+    other folds."""
     from tandem.core.cost_model import CostModel
 
     errors = []
     for i, test in enumerate(folds):
         train = [p for j, fold in enumerate(folds) if j != i for p in fold]
-        errors += [CostModel.fit(train, wide_rows).mean_abs_error([p]) for p in test]
+        model = CostModel.fit(train, kernels)
+        errors += [model.mean_abs_error([p]) for p in test if only(p[0])]
     return sum(errors) / len(errors)
 
 

@@ -93,6 +93,10 @@ class QuantizedLinear(nn.Module, ABC):
     # ... and of torch's kernels and a bf16 copy prepacked at load (keep_dense_copy): 9.6 vs
     # 12.0 ms a step at 8 rows, 16.9 vs 13.0 at 12 (`python benchmarks/quant_linear.py`)
     COPY_KERNEL_MAX_ROWS = 10
+    # Rows torch's CPU weight-only kernels compute per pass over the weights (BLOCK_M of aten's
+    # int4 and int8 kernels): each pass dequantizes every weight again, so 5 rows cost about
+    # as much as 8 (one 1536x576 Q4_1 projection: 26 us at 4 rows, 49 at 5).
+    CPU_ROW_TILE = 4
     fmt: str  # e.g. "int4 (group 32)", "Q4_1", for logs and /v1/models
     padded_rows: int  # output rows as stored (int4 packs blocks of 64)
 

@@ -16,6 +16,7 @@ from tandem.core.capacity import (
     num_blocks_for_memory,
     resolve_max_model_len,
 )
+from tandem.core.cost_model import KernelRows
 from tandem.core.model_config import ModelConfig
 from tandem.engine.config import DEFAULT_KV_CACHE_GIB, kv_cache_setting
 from tandem.model.kv_quant import SCALE_BYTES, storage_dtype
@@ -37,9 +38,9 @@ class LoadedRunner:
     dtype: torch.dtype
     device: torch.device
     weights: str = "none"  # how the weights are quantized (quantize_model's description)
-    # Step rows past which the quantized layers dequantize for dense matmuls (a step in the
-    # step time the cost model fits); None: one kernel at every size.
-    kernel_switch_rows: int | None = None
+    # Where the quantized layers change kernels with a step's rows (steps in the step time the
+    # cost model fits); the default: one kernel at every size.
+    kernel_rows: KernelRows = KernelRows()
 
 
 def build_model_runner(config) -> LoadedRunner:
@@ -71,11 +72,22 @@ def build_model_runner(config) -> LoadedRunner:
         model, mcfg, num_blocks, config.block_size, dtype, device, config.seed,
         config.kv_cache_dtype,
     )  # fmt: skip
-    # where the projections switch (the Q8_0 head's own earlier switch is left to the fit)
-    switch = [m.kernel_max_rows for m in model.modules()
-              if isinstance(m, QuantizedLinear) and m.can_dense]  # fmt: skip
     return LoadedRunner(runner, path, mcfg, max_model_len, num_blocks, dtype, device, weights,
-                        max(switch, default=None))  # fmt: skip
+                        kernel_rows(model, device))  # fmt: skip
+
+
+def kernel_rows(model, device: torch.device) -> KernelRows:
+    """Where the quantized projections and output head change kernels, and the rows torch's
+    CPU kernels compute per pass over the weights (the cost model's KernelRows)."""
+    head = model.lm_head
+    body = [m.kernel_max_rows for m in model.modules()
+            if isinstance(m, QuantizedLinear) and m.can_dense and m is not head]  # fmt: skip
+    quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
+    return KernelRows(
+        wide=max(body, default=None),
+        head=head.kernel_max_rows if isinstance(head, QuantizedLinear) and head.can_dense else None,
+        tile=QuantizedLinear.CPU_ROW_TILE if quantized and device.type == "cpu" else None,
+    )
 
 
 def quantization_method(name: str | None, gguf: Path | None) -> str:

@@ -24,7 +24,8 @@ class ProfileGrid:
     prefill_tokens: tuple[int, ...] = (0, 32, 128, 256, 512)
     prefill_chunks: tuple[int, ...] = (1, 4)  # the prefill tokens split over this many requests
     prefill_context: tuple[int, ...] = (0, 512)
-    decode_rows: tuple[int, ...] = (0, 1, 8, 32)
+    # on both sides of the weight-only kernels' 4-row passes and the quantized head's switch
+    decode_rows: tuple[int, ...] = (0, 1, 5, 8, 12, 32)
     decode_context: tuple[int, ...] = (64, 512)
 
     def points(self):

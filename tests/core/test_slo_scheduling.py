@@ -8,7 +8,15 @@ import random
 
 import pytest
 
-from tandem.core.cost_model import FEATURES, CostModel, OnlineCostModel, StepShape, noise_quantiles
+from tandem.core.cost_model import (
+    FEATURES,
+    CostModel,
+    KernelRows,
+    OnlineCostModel,
+    StepShape,
+    _features,
+    noise_quantiles,
+)
 from tandem.core.policy import FCFSBatch, PriorityBatch
 from tandem.core.request import Request, RequestStatus
 from tandem.core.sampling_params import SamplingParams
@@ -68,14 +76,16 @@ def test_fit_recovers_known_coefficients():
 
 def test_fit_recovers_a_kernel_switch_at_a_known_row_count():
     # up to 32 rows a steeper per-row cost, past them a fixed 30 ms (quantized weights)
-    true = CostModel((0.004, 0.0003, 0.0015, 0.000002, 0.0000005, 0.002, 0.030), wide_rows=32)
+    true = CostModel(
+        (0.004, 0.0003, 0.0015, 0.000002, 0.0000005, 0.002, 0.030), kernels=KernelRows(wide=32)
+    )
     rng = random.Random(0)
     points = []
     for _ in range(300):
         n = rng.choice([0, rng.randrange(0, 24), rng.randrange(0, 1024)])
         shape = StepShape(n, rng.randrange(0 if n else 1, 24), rng.randrange(0, 20_000), n * n)
         points.append((shape, true.predict(shape) * (1 + rng.uniform(-0.01, 0.01))))
-    fitted = CostModel.fit(points, wide_rows=32)
+    fitted = CostModel.fit(points, KernelRows(wide=32))
     for got, want in zip(fitted.coef, true.coef):
         assert got == pytest.approx(want, rel=0.1, abs=1e-7)
     assert fitted.mean_abs_error(points) < 0.01
@@ -84,6 +94,54 @@ def test_fit_recovers_a_kernel_switch_at_a_known_row_count():
     assert true.predict(StepShape(33)) - true.predict(StepShape(32)) == pytest.approx(
         0.030 + 0.0003  # the switch, and one more prefill token
     )
+
+
+def test_fit_recovers_the_staircase_of_kernels_that_pass_over_the_weights_per_four_rows():
+    # 2 ms a pass of 4 rows over the projections, 1.5 ms a pass of the head over the rows
+    # that sample, 6 ms for the head once it turns dense past 10 of them
+    kernels = KernelRows(wide=32, head=10, tile=4)
+    true = CostModel((0.003, 0.0003, 0.0012, 2e-6, 5e-7, 0, 0.03, 0.001, 0, 0.002, 0.0015, 0.006),
+                     kernels=kernels)  # fmt: skip
+    prompt = Request("p", _p(1024), SamplingParams())
+    rng = random.Random(0)
+    points = []
+    for _ in range(300):
+        rows = rng.randrange(0, 33)
+        shape = StepShape(decode_rows=rows, kv_tokens=rows * rng.randrange(64, 512))
+        if not rows or rng.random() < 0.3:
+            n = rng.choice([rng.randrange(1, 16), rng.randrange(16, 400)])
+            shape = shape.with_row(prompt, rng.choice([0, 256]), n)
+        points.append((shape, true.predict(shape) * (1 + rng.uniform(-0.01, 0.01))))
+    fitted = CostModel.fit(points, kernels)
+    for i in (6, 9, 10, 11):  # the wide step, a pass of the projections, of the head, dense head
+        assert fitted.coef[i] == pytest.approx(true.coef[i], rel=0.1)
+    error = fitted.mean_abs_error(points)
+    assert error < 0.01  # the points' own noise
+    assert CostModel.fit(points, KernelRows(wide=32)).mean_abs_error(points) > max(0.02, 4 * error)
+    # a fifth decode row starts a second pass of the projections and of the head
+    decodes = [StepShape(decode_rows=n) for n in (4, 5, 8, 10, 11)]
+    t4, t5, t8, t10, t11 = (true.predict(s) for s in decodes)
+    assert t5 - t4 == pytest.approx(0.0012 + 0.002 + 0.0015)
+    assert t8 - t5 == pytest.approx(3 * 0.0012)  # the same passes
+    # past 10 sampled rows the head is dense: its three passes give way to one fixed cost
+    assert t11 - t10 == pytest.approx(0.0012 - 3 * 0.0015 + 0.006)
+    # past 32 rows the projections are dense too: no passes, the wide step's fixed cost
+    assert _features(StepShape(33), kernels)[9] == 0 and _features(StepShape(32), kernels)[9] == 8
+
+
+def test_an_online_refit_keeps_the_costs_its_window_never_exercised():
+    # the profile priced steps past 32 rows; a window of small decode steps says nothing of them
+    kernels = KernelRows(wide=32, head=10, tile=4)
+    prior = CostModel((0.004, 0.0003, 0.0015, 2e-6, 5e-7, 0, 0.03, 0.001, 0, 0.002, 0.0015, 0.006),
+                      kernels=kernels)  # fmt: skip
+    online = OnlineCostModel(prior, refit_every=8)
+    for i in range(64):
+        shape = StepShape(decode_rows=1 + i % 8, kv_tokens=256 * (1 + i % 8))
+        online.observe(shape, 1.2 * prior.predict(shape))  # this host runs 20% slower
+    assert online.model is not prior and online.model.kernels == kernels
+    assert online.coef[6] == 0.03 and online.coef[11] == 0.006  # never seen: as they were
+    shape = StepShape(decode_rows=6, kv_tokens=6 * 256)
+    assert online.predict(shape) == pytest.approx(1.2 * prior.predict(shape), rel=0.02)
 
 
 def test_fit_recovers_a_cost_per_prefill_chunk_and_per_pair_within_one():
@@ -121,7 +179,9 @@ def test_cost_model_round_trips_through_a_file(tmp_path):
     model = CostModel((0.01, 0.001, 0.002, 1e-6, 2e-6), {"model": "tiny"})
     model.save(tmp_path / "cost.json")
     assert CostModel.load(tmp_path / "cost.json") == model
-    switching = CostModel((0.01, 0.001, 0.002, 1e-6, 2e-6, 0.003, 0.02), wide_rows=32)
+    switching = CostModel(
+        (0.01, 0.001, 0.002, 1e-6, 2e-6, 0.003, 0.02), kernels=KernelRows(wide=32)
+    )
     switching.save(tmp_path / "switch.json")
     assert CostModel.load(tmp_path / "switch.json") == switching
     # a file from before the kernel-switch terms: five features, read as no switch
@@ -132,7 +192,18 @@ def test_cost_model_round_trips_through_a_file(tmp_path):
     seven = {"features": list(FEATURES[:7]), "coef": [0.01, 0.001, 0.002, 1e-6, 2e-6, 0.003, 0.02],
              "wide_rows": 32}  # fmt: skip
     (tmp_path / "seven.json").write_text(json.dumps(seven))
-    assert CostModel.load(tmp_path / "seven.json").coef == (*seven["coef"], 0.0, 0.0)
+    assert CostModel.load(tmp_path / "seven.json").coef == (*seven["coef"], *[0.0] * 5)
+    staircase = CostModel((0.01,) * len(FEATURES), kernels=KernelRows(wide=32, head=10, tile=4))
+    staircase.save(tmp_path / "staircase.json")
+    assert CostModel.load(tmp_path / "staircase.json") == staircase
+    # one from before the kernel passes: nine features, read with no cost per pass
+    nine = {"features": list(FEATURES[:9]), "coef": [0.01] * 9, "wide_rows": 32}
+    (tmp_path / "nine.json").write_text(json.dumps(nine))
+    assert CostModel.load(tmp_path / "nine.json").coef == (*nine["coef"], 0.0, 0.0, 0.0)
+    for bad in ({"row_tile": 0}, {"head_rows": -1}, {"wide_rows": "32"}):
+        (tmp_path / "bad.json").write_text(json.dumps(staircase.to_dict() | bad))
+        with pytest.raises(ValueError, match="cost_model.*rows must be an integer"):
+            CostModel.load(tmp_path / "bad.json")
     (tmp_path / "bad.json").write_text('{"coef": [1]}')
     with pytest.raises(ValueError, match="cost_model"):
         CostModel.load(tmp_path / "bad.json")

@@ -4,7 +4,7 @@ held-out error reported."""
 from __future__ import annotations
 
 from tandem.cli import main
-from tandem.core.cost_model import CostModel, StepShape
+from tandem.core.cost_model import CostModel, KernelRows, StepShape
 
 
 def test_profile_fits_and_saves_a_cost_model(llama_path, tmp_path, capsys):
@@ -82,3 +82,21 @@ def test_profile_times_steps_on_a_kv_pool_whose_pages_are_all_mapped(llama_path)
                        decode_rows=(0,), decode_context=(16,))  # fmt: skip
     profile_steps(core, grid, loaded.model_config.vocab_size, repeats=2)
     assert resident_bytes(pool) >= pool.nbytes  # more than the few blocks the steps used
+
+
+def test_profile_of_quantized_weights_fits_the_kernels_passes_over_the_weights(
+    llama_path, tmp_path, capsys
+):
+    out = tmp_path / "cost.json"
+    grid = ["--prefill-tokens", "0,40", "--prefill-chunks", "1", "--prefill-context", "0",
+            "--decode-rows", "0,1,4,5,8,12", "--decode-context", "16"]  # fmt: skip
+    rc = main(["profile", str(llama_path), "-o", str(out), "--repeats", "2", "--quantization",
+               "int4", "--kv-cache-memory", "0.05", *grid])  # fmt: skip
+    assert rc == 0
+    printed = capsys.readouterr().out
+    model = CostModel.load(out)
+    # int4 projections on torch's CPU kernels, 4 rows a pass, dense past 32 rows; the 8-bit
+    # head (two int4 terms, so two passes a tile) dense past 10
+    assert model.kernels == KernelRows(wide=32, head=10, tile=4)
+    assert "ms/pass of 4 rows over the weights" in printed
+    assert "on the grid's decode steps" in printed and "without the passes" in printed

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.core.cost_model import KernelRows
 from tandem.core.model_config import default_model_path
 from tandem.engine.config import EngineConfig
 from tandem.model.gguf_quant import tensor_terms
@@ -29,7 +30,7 @@ from tandem.model.quant import (
     quantize_int8_groups,
 )
 from tandem.model.quantize import check_device
-from tandem.runner.builder import quantization_method
+from tandem.runner.builder import kernel_rows, quantization_method
 
 CHATS = [
     "What is the capital of France? Tell me about it.",
@@ -167,6 +168,10 @@ def test_the_default_model_runs_on_its_gguf_blocks_and_follows_the_float_path():
             assert isinstance(model.lm_head, Int4Linear) and model.lm_head.fmt == "Q8_0"
             assert model.model.layers[0].mlp.down_proj.fmt == "Q4_1"
             assert model.model.embed_tokens.source is model.lm_head  # tied: stored once
+        # where the cost model's step time has its steps: the projections turn dense past 32
+        # rows, the two-term head past 10 sampled rows, and torch's kernels pass 4 rows
+        expected = KernelRows(wide=32, head=10, tile=4) if method == "gguf" else KernelRows()
+        assert kernel_rows(llm.engine.runner.model, torch.device("cpu")) == expected
         del llm
     assert outs["gguf"] == outs["none"]
 

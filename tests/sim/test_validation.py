@@ -81,7 +81,7 @@ def test_a_profiled_simulation_tracks_the_real_engine_on_this_machine(tmp_path):
         runs.append((records, sum(t for t, _ in steps) / sum(p for _, p in steps)))
 
     for records, speed in runs:
-        scaled = CostModel(tuple(c * speed for c in profile.coef), wide_rows=profile.wide_rows)
+        scaled = CostModel(tuple(c * speed for c in profile.coef), kernels=profile.kernels)
         scaled.save(tmp_path / "cost.json")
         cluster = ClusterSpec.from_dict({
             "model": "smollm2-135m", "engine": {"max_num_batched_tokens": 512},
