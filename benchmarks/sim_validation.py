@@ -23,10 +23,11 @@ saturation queueing turns the host's drift into larger latency errors, and this 
 figure separates what the simulator gets wrong from what the host did.
 
 Each step's simulated time is drawn from the spread of the profile's single runs (its
-step_noise; the `fixed` rows take the fitted time exactly). Served and 1p1d first time
-CALIBRATION requests one at a time: what they take beyond their simulated steps (HTTP,
-tokenization, the proxy's hops and the decode side's KV import) is the fixed cost the
-simulated front group gets as latency_ms.
+step_noise; the `fixed` rows take the fitted time exactly). In engine mode the simulated
+group's token_ms is the engine loop's own time per sampled token (schedule and update,
+measured in its warm-up). Served and 1p1d first time CALIBRATION requests one at a time:
+what they take beyond their simulated steps (HTTP, tokenization, the proxy's hops and the
+decode side's KV import) is the fixed cost the simulated front group gets as latency_ms.
 """
 
 from __future__ import annotations
@@ -169,8 +170,21 @@ def engine_runner(args, rates: list[float]):
     steps, observe = [], core.scheduler.observe_step
     core.scheduler.observe_step = lambda plan, sec: (steps.append((plan.shape, sec)), observe(plan, sec))  # fmt: skip
     # warm-up, on a seed no point uses, whole: before the pool was mapped up front its first
-    # writes ran a replay 2x slow (tests/sim/test_validation.py); the rest warms up too
+    # writes ran a replay 2x slow (tests/sim/test_validation.py); the rest warms up too. It
+    # also measures the engine loop's own time per sampled token (schedule and update: what
+    # the cost model, timing the runner, leaves out), the simulated group's token_ms.
+    loop = [0.0, 0]
+
+    def timed_step(step=core.step):
+        outputs = step()
+        if outputs:
+            loop[0] += core.last_step_timings["schedule"] + core.last_step_timings["update"]
+            loop[1] += len(outputs)
+        return outputs
+
+    core.step = timed_step
     replay(core, sim_requests(args, max(rates), len(rates)))
+    del core.step  # the class's own step again
 
     def run(i: int, rate: float) -> tuple[dict, list]:
         steps.clear()
@@ -179,7 +193,7 @@ def engine_runner(args, rates: list[float]):
         end = max(r.finished for r in records)
         return metrics.summarize(to_results(records), end - requests[0].arrival), list(steps)
 
-    return run, loaded.kernel_rows
+    return run, loaded.kernel_rows, 1e3 * loop[0] / max(1, loop[1])
 
 
 def own_steps(steps, kernels, path: Path, profiled: Path) -> Path:
@@ -200,6 +214,12 @@ def own_steps(steps, kernels, path: Path, profiled: Path) -> Path:
 def busiest(sim: dict) -> float:
     """The simulated utilisation of the busiest group (a 1p1d pair: its prefill or decode)."""
     return max(g["utilization"] for g in sim["groups"].values())
+
+
+def mean_error(rows) -> float:
+    """Mean |simulated / real - 1| over the KEYS of (mode, rate, real, simulated, ...) rows."""
+    errors = [abs(row[3][k] / row[2][k] - 1) for row in rows for k in KEYS]
+    return sum(errors) / len(errors)
 
 
 def simulate(cluster: dict, base: Path, requests) -> dict:
@@ -237,8 +257,10 @@ def main() -> None:
               "--disable-uvicorn-access-log"]  # fmt: skip
     group = {"kv_tokens": BLOCKS * BLOCK}
 
-    def cluster(mode: str, cost: Path, latency_ms: float = 0.0, noise: bool = True) -> dict:
-        front = group | {"cost_model": str(cost), "latency_ms": latency_ms, "step_noise": noise}
+    def cluster(mode: str, cost: Path, host=(0.0, 0.0), noise: bool = True) -> dict:
+        """The simulated mode; `host`: its front group's (latency_ms, token_ms)."""
+        front = group | {"cost_model": str(cost), "latency_ms": host[0], "token_ms": host[1],
+                         "step_noise": noise}  # fmt: skip
         groups, links = [front | {"name": "local"}], []
         if mode == "1p1d":
             groups = [
@@ -268,9 +290,9 @@ def main() -> None:
                 taken.append(profile(profiles / f"{mode}-{i + 1}.json", *how[mode]))
 
         if mode == "engine":  # the real EngineCore in this process, no HTTP
-            run_engine, wide = engine_runner(args, rates)
+            run_engine, wide, token_ms = engine_runner(args, rates)
             each_rate(run_engine)
-            return [r for r, _ in reals], taken, [steps for _, steps in reals], wide, None
+            return [r for r, _ in reals], taken, [steps for _, steps in reals], wide, token_ms
         if mode == "served":  # one core for the server, the other for the client
             servers = [pin(tandem_server(free_port(), None, engine, out / "served.log"), "1")]
         else:
@@ -298,30 +320,46 @@ def main() -> None:
                 s.stop()
         return reals, taken, [], None, calibration
 
-    rows, drifts, latencies = [], {}, {}
+    def calibration_costs(mode: str, cost: Path, calibration) -> tuple[float, float]:
+        """(latency_ms, token_ms) of the mode's front group. The engine's: no HTTP, and its
+        loop's measured time per token (engine_runner). The servers': what their calibration
+        requests (timed just before the first rate: priced with its profiles) took beyond
+        their simulated steps as latency; no token cost (one at a time, a token's cost
+        outside the runner could not be told from the profile's error on one-row steps: its
+        difference of real and simulated TPOT was 0.94 ms on an engine whose loop measured
+        0.14)."""
+        if mode == "engine":
+            print(f"engine: its loop took {calibration:.2f} ms a sampled token", flush=True)
+            return 0.0, calibration
+        real, spaced = calibration
+        sim = simulate(cluster(mode, cost, noise=False), ROOT, spaced)
+        latency = max(0.0, real["mean_ttft_ms"] - sim["mean_ttft_ms"])
+        print(f"{mode}: {latency:.0f} ms a request outside the engine's steps "
+              f"({real['mean_ttft_ms']:.0f} ms real TTFT one at a time, "
+              f"{sim['mean_ttft_ms']:.0f} simulated)", flush=True)  # fmt: skip
+        return latency, 0.0
+
+    rows, untimed, drifts, hosts = [], [], {}, {}
     for mode in modes:
         reals, taken, runs, wide, calibration = measure(mode)
         costs = [bracketed(taken[i], taken[i + 1], profiles / f"{mode}-{rate:g}.json")
                  for i, rate in enumerate(rates)]  # fmt: skip
         drifts[mode] = [drift for _, drift in costs]
-        latency = latencies[mode] = 0.0
-        if mode != "engine":  # what the calibration requests took beyond their simulated steps
-            real, spaced = calibration  # timed just before the first rate: its profiles
-            sim = simulate(cluster(mode, costs[0][0], noise=False), ROOT, spaced)
-            latency = latencies[mode] = max(0.0, real["mean_ttft_ms"] - sim["mean_ttft_ms"])
-            print(f"{mode}: {latency:.0f} ms a request outside the engine's steps "
-                  f"({real['mean_ttft_ms']:.0f} ms real TTFT one at a time, "
-                  f"{sim['mean_ttft_ms']:.0f} simulated)", flush=True)  # fmt: skip
+        host = hosts[mode] = calibration_costs(mode, costs[0][0], calibration)
         for i, (rate, real, (cost, _)) in enumerate(zip(rates, reals, costs)):
             real = {k: real[k] for k in KEYS}
             for name, noise in ((mode, True), (f"{mode} fixed", False)):
-                sim = simulate(cluster(mode, cost, latency, noise), ROOT,
+                sim = simulate(cluster(mode, cost, host, noise), ROOT,
                                sim_requests(args, rate, i))  # fmt: skip
                 rows.append((name, rate, real, {k: sim[k] for k in KEYS}, busiest(sim)))
                 print(name, rate, real, rows[-1][3], flush=True)
+            if host[1]:  # what the token cost is worth: the same point without it
+                sim = simulate(cluster(mode, cost, (host[0], 0.0)), ROOT,
+                               sim_requests(args, rate, i))  # fmt: skip
+                untimed.append((mode, rate, real, {k: sim[k] for k in KEYS}))
             if mode == "engine":  # the same requests, priced by the run's own steps
                 own = own_steps(runs[i], wide, profiles / f"engine-{rate:g}-own.json", cost)
-                sim = simulate(cluster(mode, own), ROOT, sim_requests(args, rate, i))
+                sim = simulate(cluster(mode, own, host), ROOT, sim_requests(args, rate, i))
                 rows.append(("engine-own", rate, real, {k: sim[k] for k in KEYS}, busiest(sim)))
 
     print(f"\n{args.num_prompts} requests a point, random {args.input_len} in / {args.output_len} "
@@ -340,14 +378,23 @@ def main() -> None:
         print(f"{mode:<14} {rate:>5g} {busy:>5.0%}{cells}")
     print("largest error: " + ", ".join(f"{m} {e:.0%}" for m, e in worst.items())
           + " (target: within 15%)")  # fmt: skip
+    for mode in {row[0] for row in untimed}:
+        with_token = [r for r in rows if r[0] == mode]
+        print(
+            f"{mode}: mean absolute error {mean_error(with_token):.1%} with token_ms, "
+            f"{mean_error([r for r in untimed if r[0] == mode]):.1%} without"
+        )
     print("'fixed': every step takes the profile's time; the other rows draw each step's time "
           "from the spread of the profile's single runs (its step_noise); 'busy': the simulated "
           "share of time its busiest instance computes (near 100% queueing turns any error in "
           "step time into a far larger one in latency)")  # fmt: skip
-    for mode, latency in latencies.items():
-        if mode != "engine":
-            print(f"{mode}: latency_ms {latency:.0f} (the fixed cost outside the engine's steps, "
-                  f"from {CALIBRATION} requests timed one at a time)")  # fmt: skip
+    for mode, (latency, token) in hosts.items():
+        source = ("the engine loop's, measured in its warm-up" if mode == "engine"
+                  else f"from {CALIBRATION} requests timed one at a time")  # fmt: skip
+        print(
+            f"{mode}: latency_ms {latency:.0f}, token_ms {token:.2f} (the host's time outside "
+            f"the engine's steps: {source})"
+        )
     if "engine-own" in worst:
         print("engine-own: the engine's requests simulated with a cost model fitted on that run's "
               "own steps (the host's speed while it ran, not the profile's)")  # fmt: skip
@@ -357,9 +404,12 @@ def main() -> None:
             + ", ".join(f"{d:.0%}" for d in drift)
             + " on average (the machine's own drift; each point is simulated with their mean)"
         )
-    doc = {"drift": drifts, "latency_ms": latencies,
+    doc = {"drift": drifts, "latency_ms": {m: h[0] for m, h in hosts.items()},
+           "token_ms": {m: h[1] for m, h in hosts.items()},
            "points": [{"mode": m, "rate": r, "real": a, "simulated": b, "simulated_busy": u}
-                      for m, r, a, b, u in rows]}  # fmt: skip
+                      for m, r, a, b, u in rows],
+           "without_token_ms": [{"mode": m, "rate": r, "simulated": b}
+                                for m, r, _, b in untimed]}  # fmt: skip
     (out / "validation.json").write_text(json.dumps(doc, indent=2) + "\n")
 
 

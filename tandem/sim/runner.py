@@ -5,7 +5,12 @@ samples gets one token. The engine loop cannot tell it from the model runner.
 With `noise` (a profile's spread of single runs, CostModel.noise), each step's time is the
 prediction times one of those ratios, drawn by a generator seeded per instance: real steps
 stray from their shape's typical time, mostly upward on a shared machine, and near
-saturation queueing is made of those slow steps. Same seed, same draws: still deterministic."""
+saturation queueing is made of those slow steps. Same seed, same draws: still deterministic.
+
+`token_seconds` is what each sampled token costs the instance's host outside the runner (the
+engine loop's update and outputs; a front end on the same cores detokenizing and streaming
+it): the cost model times the runner alone, and on a CPU server this work takes the same
+cores, so a step with more rows that sample ends later by that much more."""
 
 from __future__ import annotations
 
@@ -20,10 +25,16 @@ SIM_TOKEN = 1  # what simulated requests "generate"; they run with ignore_eos to
 
 class SimulatedRunner:
     def __init__(
-        self, cost_model, clock: FakeClock, noise: tuple[float, ...] = (), seed: int = 0
+        self,
+        cost_model,
+        clock: FakeClock,
+        noise: tuple[float, ...] = (),
+        seed: int = 0,
+        token_seconds: float = 0.0,
     ) -> None:
         self.cost_model, self.clock = cost_model, clock
         self.noise, self._rng = noise, random.Random(seed)
+        self.token_seconds = token_seconds
         self.busy_seconds = 0.0  # virtual seconds spent computing, for utilisation
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
@@ -32,8 +43,8 @@ class SimulatedRunner:
         seconds = self.cost_model.predict(plan.shape)
         if self.noise:
             seconds *= self.noise[int(self._rng.random() * len(self.noise))]
+        sampled = {s.request.request_id: [SIM_TOKEN] for s in plan.scheduled if s.sample}
+        seconds += self.token_seconds * len(sampled)
         self.clock.advance(seconds)
         self.busy_seconds += seconds
-        return RunnerOutput(
-            sampled={s.request.request_id: [SIM_TOKEN] for s in plan.scheduled if s.sample}
-        )
+        return RunnerOutput(sampled=sampled)

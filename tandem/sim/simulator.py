@@ -94,7 +94,8 @@ class Instance:
             config, kv, self.clock, build_batch_policy(cluster.scheduling_policy, cost), cost
         )
         noise = cost.noise if group.step_noise else ()
-        self.runner = SimulatedRunner(cost, self.clock, noise, zlib.crc32(name.encode()))
+        self.runner = SimulatedRunner(cost, self.clock, noise, zlib.crc32(name.encode()),
+                                      group.token_s)  # fmt: skip
         self.core = EngineCore(scheduler, self.runner, self.clock)
         self.state = WorkerState(name, name)
         self.backlog: list[tuple[SimRequest, str]] = []  # decode: waiting for room to reserve

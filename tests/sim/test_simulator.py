@@ -70,6 +70,21 @@ def test_a_groups_latency_delays_every_time_its_client_sees_and_nothing_else(tmp
     assert ClusterSpec.load(path).groups[0].latency_s == pytest.approx(0.2)
 
 
+def test_a_groups_token_cost_lengthens_each_step_by_its_sampling_rows(tmp_path):
+    # Steps of 10 ms plus 2 ms a sampled token. r0 alone: its prefill and each decode 12 ms.
+    # r1 (t=15 ms) arrives during r0's second step (12-24 ms); from 24 ms both sample: 14 ms.
+    requests = [SimRequest(0.0, tuple(range(10)), 5), SimRequest(0.015, tuple(range(50, 60)), 3)]
+    spec = constant_cluster(tmp_path)
+    spec = dataclasses.replace(spec, groups=[dataclasses.replace(spec.groups[0], token_s=0.002)])
+    r0, r1 = Simulation(spec, requests).run()
+    assert r0.token_times == pytest.approx([0.012, 0.024, 0.038, 0.052, 0.066])
+    assert r1.token_times == pytest.approx([0.038, 0.052, 0.066])
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"model": "llama-3-8b", "groups": [
+        {"cost_model": "cost.json", "kv_tokens": 4096, "token_ms": 2}]}))  # fmt: skip
+    assert ClusterSpec.load(path).groups[0].token_s == pytest.approx(0.002)
+
+
 def noisy_cluster(tmp_path, noise, step_noise=True):
     CostModel((0.01, 0.0, 0.0, 0.0, 0.0), noise=noise).save(tmp_path / "noisy.json")
     return ClusterSpec.from_dict({"model": "llama-3-8b", "groups": [
@@ -271,6 +286,7 @@ def test_roofline_model_reads_the_weights_once_a_step_and_divides_work_by_tp():
         ({"groups": [{"hardware": "H100", "prefix_caching": "no"}]}, "prefix_caching"),
         ({"groups": [{"hardware": "H100", "step_noise": 1}]}, r"groups\[0\].step_noise"),
         ({"groups": [{"hardware": "H100", "latency_ms": -1}]}, r"groups\[0\].latency_ms"),
+        ({"groups": [{"hardware": "H100", "token_ms": "1"}]}, r"groups\[0\].token_ms"),
         ({"groups": [{"hardware": {"name": "X", "bf16_tflops": 100}}]}, r"groups\[0\].hardware"),
         (
             {
