@@ -26,8 +26,9 @@ reading and dequantizing every weight again (one 1536x576 Q4_1 projection: 26 us
 body (on the default model a decode step of 5 rows took 16.6 ms, of 4 11.3; a fit without
 these terms was off by up to 15% on decode steps of 1 to 32 rows, with them by 6%). The
 model is linear in these, fitted by least squares on relative error (`tandem profile`, or
-online from the steps the engine runs), and serialized as a small JSON file. The SLO scheduler asks it whether a batch keeps every running request inside its
-TPOT; the router and the simulator ask it how long a step takes. Pure Python, no torch.
+online from the steps the engine runs), and serialized as a small JSON file. The SLO
+scheduler asks it whether a batch keeps every running request inside its TPOT; the router
+and the simulator ask it how long a step takes. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 FEATURES = ("const", "prefill_tokens", "decode_rows", "kv_tokens", "chunk_kv", "narrow_rows",
-            "wide_step", "prefill_rows", "chunk_own", "kernel_tiles", "head_tiles", "head_wide")  # fmt: skip
+            "wide_step", "prefill_rows", "chunk_own", "kernel_tiles", "head_tiles",
+            "head_wide")  # fmt: skip
 Coef = tuple[float, ...]
 # Files saved before a feature was added name a prefix of FEATURES: the rest read as zeros.
 SAVED_FEATURES = (FEATURES[:5], FEATURES[:7], FEATURES[:9], FEATURES)
@@ -58,10 +60,12 @@ class KernelRows:
     tile: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("wide", "head", "tile"):
+        for name, least in (("wide", 0), ("head", 0), ("tile", 1)):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, int) and value >= (name == "tile")):
-                raise ValueError(f"cost model: {name} rows must be an integer >= 0, got {value!r}")
+            if value is not None and not (isinstance(value, int) and value >= least):
+                raise ValueError(
+                    f"cost model: {name} rows must be an integer >= {least}, got {value!r}"
+                )
 
 
 def chunk_kv(n: int) -> int:
