@@ -187,7 +187,8 @@ class CostModel:
         if len(points) < 2:
             raise ValueError(f"cost model: need at least 2 measured steps, got {len(points)}")
         rows = [(_features(shape, kernels), seconds) for shape, seconds in points]
-        active = [i for i in range(len(FEATURES)) if any(f[i] for f, _ in rows)]
+        seen = [i for i in range(len(FEATURES)) if any(f[i] for f, _ in rows)]
+        active = list(seen)
         pull = None if anchor is None else (anchor.coef, anchor_points / len(points))
         while True:
             coef = _least_squares(rows, active, ridge, pull)
@@ -195,9 +196,8 @@ class CostModel:
             if not negative:
                 break
             active.remove(min(negative, key=lambda i: coef[i]))
-        unseen = [i for i in range(len(FEATURES)) if not any(f[i] for f, _ in rows)]
-        for i in unseen if anchor is not None else ():
-            coef[i] = anchor.coef[i]
+        if anchor is not None:
+            coef = [c if i in seen else anchor.coef[i] for i, c in enumerate(coef)]
         return cls(tuple(coef), kernels=kernels)
 
     def mean_abs_error(self, points: Sequence[tuple[StepShape, float]]) -> float:
@@ -297,8 +297,11 @@ def noise_quantiles(runs: Iterable[Sequence[float]], typical: Iterable[float], n
 
 def _features(shape: StepShape, kernels: KernelRows) -> tuple[float, ...]:
     """The values FEATURES names, for a runner whose kernels change where `kernels` says."""
-    rows, sampled = shape.prefill_tokens + shape.decode_rows, shape.sampled_rows
     wide, head, tile = kernels.wide, kernels.head, kernels.tile
+    # float weights and rooflines change no kernels: the simulator's hot path, kept short
+    if wide is None and head is None and tile is None:
+        return (*shape.features(), 0, 0, shape.prefill_rows, shape.chunk_own, 0, 0, 0)
+    rows, sampled = shape.prefill_tokens + shape.decode_rows, shape.sampled_rows
     narrow, past = (0, 0) if wide is None else (min(rows, wide), rows > wide)
     tiles = -(-rows // tile) if tile and not past else 0  # passes over the weights
     head_past = head is not None and sampled > head
