@@ -25,9 +25,13 @@ figure separates what the simulator gets wrong from what the host did.
 Each step's simulated time is drawn from the spread of the profile's single runs (its
 step_noise; the `fixed` rows take the fitted time exactly). In engine mode the simulated
 group's token_ms is the engine loop's own time per sampled token (schedule and update,
-measured in its warm-up). Served and 1p1d first time CALIBRATION requests one at a time:
-what they take beyond their simulated steps (HTTP, tokenization, the proxy's hops and the
-decode side's KV import) is the fixed cost the simulated front group gets as latency_ms.
+measured in its warm-up). A server's host time outside its model steps (its API process
+taking each step's outputs and streaming them, its engine core's loop and messages: CPU time
+of both processes, less the core's in model steps, read from /proc and /metrics) is fitted
+as step_ms per step plus token_ms per sampled token over two calibration runs: CALIBRATION
+requests one at a time, and BURST at a concurrency of 8. What the one-at-a-time requests take
+beyond their simulated steps (HTTP, tokenization, the proxy's hops and the decode side's KV
+import) is the fixed cost the simulated front group gets as latency_ms.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ BATCHED = 2048  # max_num_batched_tokens (the server default)
 KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")
 STATISTIC = "median"  # of a profile point's repeats: what a run of many steps meets
 CALIBRATION, CALIBRATION_POINT = 8, 100  # requests timed one at a time, and their seed offset
+BURST = 24  # calibration requests sent 8 at a time (seed offset CALIBRATION_POINT + 2)
 WARM_LEN = 1024  # prompt tokens of the requests that cycle a server's KV pool once
 WARM_POINT = 200  # their seed offset
 
@@ -125,16 +130,65 @@ def warm_pool(url: str, out: Path, mode: str, args, cores) -> None:
            "--random-output-len", "1", "--random-range-ratio", "0", "--max-concurrency", "4"])  # fmt: skip
 
 
-def calibrate(url: str, out: Path, mode: str, args, cores, point: int) -> tuple[dict, list]:
-    """CALIBRATION requests one at a time (no queueing), on a seed no point uses: the real
-    TTFTs, and the requests to simulate them with (spaced so none overlaps another). What the
-    real ones take beyond their simulated prefill is the fixed cost outside the engine's
-    steps (HTTP, tokenization, the proxy's hops), the simulated group's latency_ms."""
+def calibrate(url: str, out: Path, mode: str, args, cores, point: int, servers) -> tuple:
+    """CALIBRATION requests one at a time (no queueing), then BURST eight at a time, on seeds
+    no point uses. Returns the real TTFTs of the first, the requests to simulate them with
+    (spaced so none overlaps another), and each server's host time, steps and sampled tokens
+    in each run (host_usage). What the one-at-a-time requests take beyond their simulated
+    prefill is the fixed cost outside the engine's steps (HTTP, tokenization, the proxy's
+    hops), the simulated group's latency_ms; the host times give its step_ms and token_ms."""
+    before = host_usage(servers)
     real = bench(url, out, f"{mode}-calibration", args, float("inf"), point, cores,
                  ["--max-concurrency", "1", "--num-prompts", str(CALIBRATION)])  # fmt: skip
+    middle = host_usage(servers)
+    bench(url, out, f"{mode}-burst", args, float("inf"), point + 2, cores,
+          ["--max-concurrency", "8", "--num-prompts", str(BURST)])  # fmt: skip
+    after = host_usage(servers)
+    usage = [[tuple(b - a for a, b in zip(x, y)) for x, y in zip(first, second)]
+             for first, second in ((before, middle), (middle, after))]  # fmt: skip
     requests = sim_requests(args, 1.0, point, CALIBRATION)
     spaced = [dataclasses.replace(r, arrival=60.0 * i) for i, r in enumerate(requests)]
-    return real, spaced
+    return real, spaced, [list(runs) for runs in zip(*usage)]
+
+
+def host_usage(servers) -> list[tuple[float, float, float]]:
+    """Per tandem server, cumulative: (seconds of CPU its API and engine-core processes took
+    outside model steps, steps, sampled tokens): /proc for the processes' CPU, the server's
+    /metrics for the core's CPU in model steps and the counts."""
+    import httpx
+
+    tick, usage = os.sysconf("SC_CLK_TCK"), []
+
+    def cpu(pid: int) -> float:  # utime + stime
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    for server in servers:
+        pid = server.proc.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        total = cpu(pid) + sum(cpu(int(c)) for c in children)
+        metrics = {}
+        for line in httpx.get(f"{server.base_url}/metrics", trust_env=False).text.splitlines():
+            if line.startswith("tandem:") and " " in line:
+                name, value = line.rsplit(" ", 1)
+                metrics[name.split("{")[0]] = float(value)
+        usage.append((total - metrics["tandem:engine_execute_cpu_seconds_total"],
+                      metrics["tandem:engine_steps_total"],
+                      metrics["tandem:generation_tokens_total"]))  # fmt: skip
+    return usage
+
+
+def host_costs(runs) -> dict:
+    """{step_ms, token_ms} such that host seconds = step_ms * steps + token_ms * tokens in
+    both calibration runs [(host seconds, steps, tokens)] (solved exactly; where that needs a
+    negative cost, or the runs cannot tell the two apart, all of it is per step)."""
+    (h1, s1, t1), (h2, s2, t2) = runs
+    det = s1 * t2 - s2 * t1
+    step = (h1 * t2 - h2 * t1) / det if det else -1.0
+    token = (s1 * h2 - s2 * h1) / det if det else -1.0
+    if step < 0 or token < 0:
+        step, token = (h1 + h2) / (s1 + s2), 0.0
+    return {"step_ms": 1e3 * step, "token_ms": 1e3 * token}
 
 
 def sim_requests(args, rate: float, point: int, n: int | None = None):
@@ -257,18 +311,15 @@ def main() -> None:
               "--disable-uvicorn-access-log"]  # fmt: skip
     group = {"kv_tokens": BLOCKS * BLOCK}
 
-    def cluster(mode: str, cost: Path, host=(0.0, 0.0), noise: bool = True) -> dict:
-        """The simulated mode; `host`: its front group's (latency_ms, token_ms)."""
-        front = group | {"cost_model": str(cost), "latency_ms": host[0], "token_ms": host[1],
-                         "step_noise": noise}  # fmt: skip
-        groups, links = [front | {"name": "local"}], []
+    def cluster(mode: str, cost: Path, host=None, noise: bool = True) -> dict:
+        """The simulated mode; `host`: its groups' host costs ({name: {latency_ms, step_ms,
+        token_ms}})."""
+        host, groups, links = host or {}, [{"name": "local"}], []
         if mode == "1p1d":
-            groups = [
-                group | {"name": "p", "role": "prefill", "cost_model": str(cost),
-                         "step_noise": noise},
-                front | {"name": "d", "role": "decode"},
-            ]  # fmt: skip
+            groups = [{"name": "p", "role": "prefill"}, {"name": "d", "role": "decode"}]
             links = [{"from": "p", "to": "d", "bandwidth_gbs": args.link_gbs, "latency_ms": 0.2}]
+        groups = [group | g | {"cost_model": str(cost), "step_noise": noise}
+                  | host.get(g["name"], {}) for g in groups]  # fmt: skip
         return {"model": "smollm2-135m", "groups": groups, "links": links,
                 "engine": {"max_num_batched_tokens": BATCHED, "block_size": BLOCK}}  # fmt: skip
 
@@ -312,32 +363,41 @@ def main() -> None:
                 s.wait_ready(600)
             client, url = ("0" if mode == "served" else None), servers[-1].base_url
             warm_pool(url, out, mode, args, client)
+            tandems = servers[:2] if mode == "1p1d" else servers  # (prefill, decode), no proxy
             for n in (1, 0):  # the first warms the servers up (its own prompts: no cache hit)
-                calibration = calibrate(url, out, mode, args, client, CALIBRATION_POINT + n)
+                calibration = calibrate(url, out, mode, args, client, CALIBRATION_POINT + 3 * n,
+                                        tandems)  # fmt: skip
             each_rate(lambda i, rate: bench(url, out, f"{mode}-{rate:g}", args, rate, i, client))
         finally:
             for s in reversed(servers):
                 s.stop()
         return reals, taken, [], None, calibration
 
-    def calibration_costs(mode: str, cost: Path, calibration) -> tuple[float, float]:
-        """(latency_ms, token_ms) of the mode's front group. The engine's: no HTTP, and its
-        loop's measured time per token (engine_runner). The servers': what their calibration
-        requests (timed just before the first rate: priced with its profiles) took beyond
-        their simulated steps as latency; no token cost (one at a time, a token's cost
-        outside the runner could not be told from the profile's error on one-row steps: its
-        difference of real and simulated TPOT was 0.94 ms on an engine whose loop measured
-        0.14)."""
+    def calibration_costs(mode: str, cost: Path, calibration) -> dict:
+        """Host costs of the mode's groups ({name: {latency_ms, step_ms, token_ms}}). The
+        engine's: no HTTP, and its loop's measured time per token (engine_runner). The
+        servers': step_ms and token_ms from their host time in the calibration runs
+        (host_costs); the front group's latency_ms, what the requests timed one at a time
+        (just before the first rate: priced with its profiles) took beyond their simulated
+        steps."""
         if mode == "engine":
             print(f"engine: its loop took {calibration:.2f} ms a sampled token", flush=True)
-            return 0.0, calibration
-        real, spaced = calibration
-        sim = simulate(cluster(mode, cost, noise=False), ROOT, spaced)
+            return {"local": {"token_ms": calibration}}
+        real, spaced, usage = calibration
+        names = ["p", "d"] if mode == "1p1d" else ["local"]
+        host = {name: host_costs(runs) for name, runs in zip(names, usage)}
+        for name, runs in zip(names, usage):
+            print(f"{mode} {name}: host " + ", ".join(
+                f"{1e3 * h / max(1, n):.2f} ms a step ({t / max(1, n):.1f} tokens a step)"
+                for h, n, t in runs) + " -> step_ms {step_ms:.2f}, token_ms {token_ms:.2f}"
+                .format(**host[name]), flush=True)  # fmt: skip
+        sim = simulate(cluster(mode, cost, host, noise=False), ROOT, spaced)
         latency = max(0.0, real["mean_ttft_ms"] - sim["mean_ttft_ms"])
+        host[names[-1]]["latency_ms"] = latency
         print(f"{mode}: {latency:.0f} ms a request outside the engine's steps "
               f"({real['mean_ttft_ms']:.0f} ms real TTFT one at a time, "
               f"{sim['mean_ttft_ms']:.0f} simulated)", flush=True)  # fmt: skip
-        return latency, 0.0
+        return host
 
     rows, untimed, drifts, hosts = [], [], {}, {}
     for mode in modes:
@@ -353,10 +413,10 @@ def main() -> None:
                                sim_requests(args, rate, i))  # fmt: skip
                 rows.append((name, rate, real, {k: sim[k] for k in KEYS}, busiest(sim)))
                 print(name, rate, real, rows[-1][3], flush=True)
-            if host[1]:  # what the token cost is worth: the same point without it
-                sim = simulate(cluster(mode, cost, (host[0], 0.0)), ROOT,
-                               sim_requests(args, rate, i))  # fmt: skip
-                untimed.append((mode, rate, real, {k: sim[k] for k in KEYS}))
+            # what the step and token costs are worth: the same point without them
+            bare = {name: {"latency_ms": h.get("latency_ms", 0.0)} for name, h in host.items()}
+            sim = simulate(cluster(mode, cost, bare), ROOT, sim_requests(args, rate, i))
+            untimed.append((mode, rate, real, {k: sim[k] for k in KEYS}))
             if mode == "engine":  # the same requests, priced by the run's own steps
                 own = own_steps(runs[i], wide, profiles / f"engine-{rate:g}-own.json", cost)
                 sim = simulate(cluster(mode, own, host), ROOT, sim_requests(args, rate, i))
@@ -378,23 +438,22 @@ def main() -> None:
         print(f"{mode:<14} {rate:>5g} {busy:>5.0%}{cells}")
     print("largest error: " + ", ".join(f"{m} {e:.0%}" for m, e in worst.items())
           + " (target: within 15%)")  # fmt: skip
-    for mode in {row[0] for row in untimed}:
-        with_token = [r for r in rows if r[0] == mode]
+    for mode in dict.fromkeys(row[0] for row in untimed):
+        with_host = [r for r in rows if r[0] == mode]
         print(
-            f"{mode}: mean absolute error {mean_error(with_token):.1%} with token_ms, "
-            f"{mean_error([r for r in untimed if r[0] == mode]):.1%} without"
+            f"{mode}: mean absolute error {mean_error(with_host):.1%} with step_ms and "
+            f"token_ms, {mean_error([r for r in untimed if r[0] == mode]):.1%} without"
         )
     print("'fixed': every step takes the profile's time; the other rows draw each step's time "
           "from the spread of the profile's single runs (its step_noise); 'busy': the simulated "
           "share of time its busiest instance computes (near 100% queueing turns any error in "
           "step time into a far larger one in latency)")  # fmt: skip
-    for mode, (latency, token) in hosts.items():
-        source = ("the engine loop's, measured in its warm-up" if mode == "engine"
-                  else f"from {CALIBRATION} requests timed one at a time")  # fmt: skip
-        print(
-            f"{mode}: latency_ms {latency:.0f}, token_ms {token:.2f} (the host's time outside "
-            f"the engine's steps: {source})"
-        )
+    for mode, host in hosts.items():
+        source = ("the engine loop's, measured in its warm-up" if mode == "engine" else
+                  f"from {CALIBRATION} requests one at a time and {BURST} eight at a time")  # fmt: skip
+        print(f"{mode}: " + "; ".join(
+            f"{name} " + ", ".join(f"{k} {v:.2f}" for k, v in h.items())
+            for name, h in host.items()) + f" (the host's time outside the engine's steps: {source})")  # fmt: skip
     if "engine-own" in worst:
         print("engine-own: the engine's requests simulated with a cost model fitted on that run's "
               "own steps (the host's speed while it ran, not the profile's)")  # fmt: skip
@@ -404,11 +463,10 @@ def main() -> None:
             + ", ".join(f"{d:.0%}" for d in drift)
             + " on average (the machine's own drift; each point is simulated with their mean)"
         )
-    doc = {"drift": drifts, "latency_ms": {m: h[0] for m, h in hosts.items()},
-           "token_ms": {m: h[1] for m, h in hosts.items()},
+    doc = {"drift": drifts, "host": hosts,
            "points": [{"mode": m, "rate": r, "real": a, "simulated": b, "simulated_busy": u}
                       for m, r, a, b, u in rows],
-           "without_token_ms": [{"mode": m, "rate": r, "simulated": b}
+           "without_host_costs": [{"mode": m, "rate": r, "simulated": b}
                                 for m, r, _, b in untimed]}  # fmt: skip
     (out / "validation.json").write_text(json.dumps(doc, indent=2) + "\n")
 

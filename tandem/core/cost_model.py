@@ -186,12 +186,14 @@ class CostModel:
         whose kernels never switch) keeps the anchor's coefficient, or none."""
         if len(points) < 2:
             raise ValueError(f"cost model: need at least 2 measured steps, got {len(points)}")
-        rows = [(_features(shape, kernels), seconds) for shape, seconds in points]
-        seen = [i for i in range(len(FEATURES)) if any(f[i] for f, _ in rows)]
+        a, b, counts = _normal_equations(
+            [_features(shape, kernels) for shape, _ in points], [seconds for _, seconds in points]
+        )
+        seen = [i for i, n in enumerate(counts) if n]
         active = list(seen)
         pull = None if anchor is None else (anchor.coef, anchor_points / len(points))
         while True:
-            coef = _least_squares(rows, active, ridge, pull)
+            coef = _least_squares(a, b, active, ridge, pull)
             negative = [i for i in active if coef[i] < 0]
             if not negative:
                 break
@@ -314,19 +316,30 @@ def _features(shape: StepShape, kernels: KernelRows) -> tuple[float, ...]:
 DEFAULT_PRIOR = CostModel((0.02, 0.0005, 0.001, 1e-6, 2e-6), {"source": "prior"})
 
 
-def _least_squares(rows, active: list[int], ridge: float, pull=None) -> list[float]:
-    """Solve the normal equations over the `active` features of (features, seconds) rows
-    (Gaussian elimination); `pull` = (coefficients, weight) adds weight * (c_i - anchor_i)^2
-    times the data's own curvature in each direction."""
+def _normal_equations(features, seconds):
+    """Over rows x = features / seconds (relative error: each row scaled by 1/t), the sums
+    x x^T and x least squares solves from, and how many rows have each feature: built once a
+    fit, over each row's nonzero features only (a decode step has no prefill terms)."""
+    n = len(FEATURES)
+    a, b, counts = [[0.0] * n for _ in range(n)], [0.0] * n, [0] * n
+    for f, t in zip(features, seconds):
+        x = [(i, v / t) for i, v in enumerate(f) if v]
+        for i, xi in x:
+            counts[i] += 1
+            b[i] += xi
+            row = a[i]
+            for j, xj in x:
+                row[j] += xi * xj
+    return a, b, counts
+
+
+def _least_squares(gram, sums, active: list[int], ridge: float, pull=None) -> list[float]:
+    """Solve the normal equations (`gram`, `sums` from _normal_equations) over the `active`
+    features (Gaussian elimination); `pull` = (coefficients, weight) adds
+    weight * (c_i - anchor_i)^2 times the data's own curvature in each direction."""
     k = len(active)
-    a = [[0.0] * k for _ in range(k)]
-    b = [0.0] * k
-    for features, seconds in rows:
-        x = [f / seconds for f in features]  # relative error: each row scaled by 1/t
-        for i, fi in enumerate(active):
-            b[i] += x[fi]
-            for j, fj in enumerate(active):
-                a[i][j] += x[fi] * x[fj]
+    a = [[gram[fi][fj] for fj in active] for fi in active]
+    b = [sums[fi] for fi in active]
     if pull is not None:
         anchor, weight = pull
         for i, fi in enumerate(active):

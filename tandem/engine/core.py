@@ -13,6 +13,7 @@ time; the loop cannot tell them apart.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from tandem.core.request import Request, RequestStatus
@@ -38,6 +39,9 @@ class EngineCore:
         self.stalled = False
         self.last_step_timings: dict[str, float] = {}  # seconds per phase, on `clock`
         self.step_seconds, self.predicted_step_seconds = 0.0, None
+        # cumulative: steps that ran the model, their wall-clock and this process's CPU time
+        # (a host sharing its cores with a front end: wall minus CPU is time others took)
+        self.num_steps, self.execute_seconds, self.execute_cpu_seconds = 0, 0.0, 0.0
         self.lora_ids: set[int] = set()  # adapters the runner holds
 
     # ---- requests ----------------------------------------------------------------
@@ -76,7 +80,7 @@ class EngineCore:
             return []
         cost = self.scheduler.cost_model
         self.predicted_step_seconds = cost.predict(plan.shape) if cost else None
-        t1 = self.clock()
+        t1, cpu = self.clock(), time.process_time()
         try:
             result = self.runner.execute(plan)  # an empty plan still releases finished state
             errors = dict(result.errors)
@@ -85,6 +89,10 @@ class EngineCore:
             result, errors = self._execute_one_by_one(plan)
         t2 = self.clock()
         self.step_seconds = t2 - t1
+        if plan.scheduled:
+            self.num_steps += 1
+            self.execute_seconds += t2 - t1
+            self.execute_cpu_seconds += time.process_time() - cpu
         self.scheduler.observe_step(plan, t2 - t1)
         outputs = [_shed_output(r) for r in plan.shed] + self._fail(errors)
         before = [s.request.num_tokens for s in plan.scheduled]
@@ -203,6 +211,9 @@ class EngineCore:
             spec_decode=self.scheduler.spec_stats.copy(),
             step_seconds=self.step_seconds,
             predicted_step_seconds=self.predicted_step_seconds,
+            num_steps=self.num_steps,
+            execute_seconds=self.execute_seconds,
+            execute_cpu_seconds=self.execute_cpu_seconds,
         )
 
     # ---- LoRA adapters ------------------------------------------------------------------

@@ -75,6 +75,9 @@ class EngineStats:
     num_evicted_blocks: int
     step_seconds: float = 0.0  # the last step's execute time
     predicted_step_seconds: float | None = None  # what the cost model said it would take
+    num_steps: int = 0  # cumulative: steps that ran the model
+    execute_seconds: float = 0.0  # cumulative: their time (the engine's busy time)
+    execute_cpu_seconds: float = 0.0  # cumulative: the core process's CPU time in them
     # prefill/decode disaggregation, cumulative: KV tensor bytes sent (prefill) and received
     # (decode), prompt tokens a reservation found in the decode-side cache, transfers failed
     kv_bytes_sent: int = 0

@@ -74,6 +74,13 @@ class Metrics:
         self.slo_met = self._by_class("slo_met", "Requests that met all their targets (goodput)")
         self.shed = self._by_class("requests_shed", "Requests shed: their SLO could not be met")
         self.step_time = self._gauge("step_time_seconds", "The last engine step's execute time")
+        self.steps = self._counter("engine_steps", "Engine steps that ran the model")
+        self.execute_seconds = self._counter(
+            "engine_execute_seconds", "Seconds the engine spent running the model (busy time)"
+        )
+        self.execute_cpu_seconds = self._counter(
+            "engine_execute_cpu_seconds", "CPU seconds the engine-core process spent running it"
+        )
         self.step_predicted = self._gauge(
             "step_time_predicted_seconds", "What the cost model predicted for the last step"
         )
@@ -109,7 +116,7 @@ class Metrics:
         self._spec_per_pos: list[int] = []
         self._slo: dict[str, SLOClass] = {}
         self._last_token_time: dict[str, float] = {}
-        self._engine_totals = (0,) * 10  # the core's cumulative counters seen so far
+        self._engine_totals = (0,) * 13  # the core's cumulative counters seen so far
 
     def _gauge(self, name: str, doc: str):
         return Gauge(f"tandem:{name}", doc, _LABELS, registry=self.registry).labels(*self._labels)
@@ -139,6 +146,9 @@ class Metrics:
             stats.kv_cached_tokens,
             stats.kv_transfer_failures,
             *_spec_totals(stats),
+            stats.num_steps,
+            stats.execute_seconds,
+            stats.execute_cpu_seconds,
         )
         counters = (
             self.prefix_queries,
@@ -151,6 +161,9 @@ class Metrics:
             self.spec_drafts,
             self.spec_draft_tokens,
             self.spec_accepted,
+            self.steps,
+            self.execute_seconds,
+            self.execute_cpu_seconds,
         )
         for counter, new, old in zip(counters, totals, self._engine_totals):
             if new > old:

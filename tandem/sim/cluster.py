@@ -13,9 +13,10 @@ JSON, checked with errors naming the field.
                                           mem_gib: 180, price_per_hour: 6.0}}  # any accelerator
       # per group also: role (below), prefix_caching: false (no radix cache), latency_ms
       # (what a request spends outside the engine's steps: HTTP, tokenization, a proxy's
-      # hops; added to every time its client sees), token_ms (host time a sampled token
-      # costs outside the runner: the engine loop's bookkeeping, a front end streaming it on
-      # the same cores; added to each step per row that samples), step_noise: false (a
+      # hops; added to every time its client sees), step_ms and token_ms (host time a step
+      # and a sampled token cost outside the runner: the engine loop's bookkeeping, a front
+      # end on the same cores taking each step's outputs and streaming them; added to each
+      # step, and per row that samples), step_noise: false (a
       # profiled group's steps take the fitted time exactly instead of straying as its
       # profile's runs did)
 
@@ -61,6 +62,7 @@ class GroupSpec:
     latency_s: float = 0.0  # outside the engine's steps: added to every time its client sees
     step_noise: bool = True  # steps stray as the profile's runs did (if it measured that)
     token_s: float = 0.0  # host time per sampled token outside the runner: added to its step
+    step_s: float = 0.0  # host time per step outside the runner: added to each
 
 
 @dataclass(frozen=True)
@@ -159,13 +161,14 @@ def _group(g: dict, i: int, model: ModelSpec, base: Path) -> GroupSpec:
     for name, value in (("prefix_caching", caching), ("step_noise", noise)):
         if not isinstance(value, bool):
             raise ValueError(f"{where}.{name} must be true or false, got {value!r}")
-    latency, token = g.get("latency_ms", 0.0), g.get("token_ms", 0.0)
-    for name, value in (("latency_ms", latency), ("token_ms", token)):
+    host = {k: g.get(k, 0.0) for k in ("latency_ms", "token_ms", "step_ms")}
+    for name, value in host.items():
         if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0):
             raise ValueError(f"{where}.{name} must be a number >= 0, got {value!r}")
     return GroupSpec(g.get("name", f"group{i}"), count, cost, kv, hardware, tp,
-                     float(g.get("price_per_hour", price)), role, caching, latency / 1000,
-                     noise, token / 1000)  # fmt: skip
+                     float(g.get("price_per_hour", price)), role, caching,
+                     host["latency_ms"] / 1000, noise, host["token_ms"] / 1000,
+                     host["step_ms"] / 1000)  # fmt: skip
 
 
 def _hardware(value, where: str) -> Hardware:

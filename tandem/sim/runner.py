@@ -7,10 +7,11 @@ prediction times one of those ratios, drawn by a generator seeded per instance: 
 stray from their shape's typical time, mostly upward on a shared machine, and near
 saturation queueing is made of those slow steps. Same seed, same draws: still deterministic.
 
-`token_seconds` is what each sampled token costs the instance's host outside the runner (the
-engine loop's update and outputs; a front end on the same cores detokenizing and streaming
-it): the cost model times the runner alone, and on a CPU server this work takes the same
-cores, so a step with more rows that sample ends later by that much more."""
+`step_seconds` and `token_seconds` are what each step and each sampled token cost the
+instance's host outside the runner (the engine loop's schedule, update and messages; a front
+end on the same cores receiving each step's outputs, detokenizing and streaming them): the
+cost model times the runner alone, and on a CPU server this work takes the same cores, so
+every step ends that much later, and one with more rows that sample later still."""
 
 from __future__ import annotations
 
@@ -31,10 +32,11 @@ class SimulatedRunner:
         noise: tuple[float, ...] = (),
         seed: int = 0,
         token_seconds: float = 0.0,
+        step_seconds: float = 0.0,
     ) -> None:
         self.cost_model, self.clock = cost_model, clock
         self.noise, self._rng = noise, random.Random(seed)
-        self.token_seconds = token_seconds
+        self.token_seconds, self.step_seconds = token_seconds, step_seconds
         self.busy_seconds = 0.0  # virtual seconds spent computing, for utilisation
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
@@ -44,7 +46,7 @@ class SimulatedRunner:
         if self.noise:
             seconds *= self.noise[int(self._rng.random() * len(self.noise))]
         sampled = {s.request.request_id: [SIM_TOKEN] for s in plan.scheduled if s.sample}
-        seconds += self.token_seconds * len(sampled)
+        seconds += self.step_seconds + self.token_seconds * len(sampled)
         self.clock.advance(seconds)
         self.busy_seconds += seconds
         return RunnerOutput(sampled=sampled)

@@ -88,6 +88,7 @@ def test_loop_matches_a_hand_computed_schedule():
     ]
     assert core.scheduler.kv.usage == 0
     assert runner.released == ["a"]  # b finished in the last step: released by the next one
+    assert (core.num_steps, core.execute_seconds) == (4, 4.375)  # the steps, on the clock
 
 
 def test_finished_request_state_is_released_when_the_next_step_schedules_nothing():
@@ -98,6 +99,7 @@ def test_finished_request_state_is_released_when_the_next_step_schedules_nothing
 
     assert core.step() == []  # nothing to schedule; the runner still hears that "a" ended
     assert runner.state == set() and runner.released == ["a"]
+    assert core.num_steps == 1  # releasing state is not a step that ran the model
     assert runner.plans[-1] == []
 
 

@@ -299,6 +299,7 @@ def test_metrics_have_vllm_names(server, client, model_name):
         "prompt_tokens_total", "generation_tokens_total",
         "time_to_first_token_seconds_count", "inter_token_latency_seconds_count",
         "e2e_request_latency_seconds_count", "request_queue_time_seconds_count",
+        "engine_steps_total", "engine_execute_seconds_total", "engine_execute_cpu_seconds_total",
     ]:  # fmt: skip
         assert f"tandem:{name}" in after, name
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
@@ -308,6 +309,9 @@ def test_metrics_have_vllm_names(server, client, model_name):
     assert delta["tandem:e2e_request_latency_seconds_count"] == 1
     assert delta["tandem:time_to_first_token_seconds_count"] == 1
     assert delta["tandem:inter_token_latency_seconds_count"] == 23
+    assert delta["tandem:engine_steps_total"] == 24  # the prompt's step and 23 decodes
+    assert delta["tandem:engine_execute_seconds_total"] > 0
+    assert delta["tandem:engine_execute_cpu_seconds_total"] > 0
     assert after["tandem:num_requests_running"] == 0
     assert after["tandem:kv_cache_usage_perc"] == 0
 

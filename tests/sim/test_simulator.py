@@ -85,6 +85,21 @@ def test_a_groups_token_cost_lengthens_each_step_by_its_sampling_rows(tmp_path):
     assert ClusterSpec.load(path).groups[0].token_s == pytest.approx(0.002)
 
 
+def test_a_groups_step_cost_lengthens_every_step_and_adds_to_its_token_cost(tmp_path):
+    # Steps of 10 ms, plus 1 ms a step and 2 ms a sampled token. r0 alone: 13 ms a step; r1
+    # (t=15 ms) arrives during r0's second (13-26 ms); from 26 ms both sample: 15 ms a step.
+    requests = [SimRequest(0.0, tuple(range(10)), 5), SimRequest(0.015, tuple(range(50, 60)), 3)]
+    spec = constant_cluster(tmp_path)
+    host = dataclasses.replace(spec.groups[0], step_s=0.001, token_s=0.002)
+    r0, r1 = Simulation(dataclasses.replace(spec, groups=[host]), requests).run()
+    assert r0.token_times == pytest.approx([0.013, 0.026, 0.041, 0.056, 0.071])
+    assert r1.token_times == pytest.approx([0.041, 0.056, 0.071])
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"model": "llama-3-8b", "groups": [
+        {"cost_model": "cost.json", "kv_tokens": 4096, "step_ms": 1}]}))  # fmt: skip
+    assert ClusterSpec.load(path).groups[0].step_s == pytest.approx(0.001)
+
+
 def noisy_cluster(tmp_path, noise, step_noise=True):
     CostModel((0.01, 0.0, 0.0, 0.0, 0.0), noise=noise).save(tmp_path / "noisy.json")
     return ClusterSpec.from_dict({"model": "llama-3-8b", "groups": [
@@ -287,6 +302,7 @@ def test_roofline_model_reads_the_weights_once_a_step_and_divides_work_by_tp():
         ({"groups": [{"hardware": "H100", "step_noise": 1}]}, r"groups\[0\].step_noise"),
         ({"groups": [{"hardware": "H100", "latency_ms": -1}]}, r"groups\[0\].latency_ms"),
         ({"groups": [{"hardware": "H100", "token_ms": "1"}]}, r"groups\[0\].token_ms"),
+        ({"groups": [{"hardware": "H100", "step_ms": -1}]}, r"groups\[0\].step_ms"),
         ({"groups": [{"hardware": {"name": "X", "bf16_tflops": 100}}]}, r"groups\[0\].hardware"),
         (
             {
