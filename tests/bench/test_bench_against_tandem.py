@@ -41,7 +41,7 @@ def test_bench_waits_for_a_starting_server_and_sends_the_api_key(
     keyed_server, llama_path, tmp_path, monkeypatch, capsys
 ):
     monkeypatch.setenv("OPENAI_API_KEY", KEY)  # as vLLM's bench reads it
-    rc = main(["bench", "serve", "--base-url", keyed_server, "--ready-timeout", "120",
+    rc = main(["bench", "serve", "--base-url", keyed_server, "--ready-timeout", "600",
                "--save-result", "--result-filename", "keyed.json",
                *workload_args(llama_path, tmp_path, n=3)])  # fmt: skip
     assert rc == 0, capsys.readouterr().out
