@@ -5,6 +5,7 @@ and hand all three to an EngineCore."""
 from __future__ import annotations
 
 import logging
+import time
 
 from tandem.core.clock import WallClock
 from tandem.core.cost_model import DEFAULT_PRIOR, CostModel, OnlineCostModel
@@ -45,7 +46,8 @@ def build_engine(config: EngineConfig, clock=None):
         build_batch_policy(config.scheduling_policy, cost),
         cost,
     )
-    core = EngineCore(scheduler, loaded.runner, clock, loaded.model_config.eos_token_ids)
+    eos = loaded.model_config.eos_token_ids
+    core = EngineCore(scheduler, loaded.runner, clock, eos, cpu_clock=time.process_time)
     log.info(
         "engine ready: %s, %s on %s, weights %s, %d KV blocks of %d tokens (KV cache %s), "
         "max_model_len %d, scheduling %s, speculative decoding: %s, LoRA: %s",

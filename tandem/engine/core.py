@@ -13,7 +13,6 @@ time; the loop cannot tell them apart.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 from tandem.core.request import Request, RequestStatus
@@ -31,6 +30,7 @@ class EngineCore:
         runner: Runner,
         clock: Callable[[], float],
         eos_token_ids: tuple[int, ...] = (),
+        cpu_clock: Callable[[], float] | None = None,
     ) -> None:
         self.scheduler, self.runner, self.clock = scheduler, runner, clock
         self.eos_token_ids = eos_token_ids  # the model's, given to every request's params
@@ -42,6 +42,9 @@ class EngineCore:
         # cumulative: steps that ran the model, their wall-clock and this process's CPU time
         # (a host sharing its cores with a front end: wall minus CPU is time others took)
         self.num_steps, self.execute_seconds, self.execute_cpu_seconds = 0, 0.0, 0.0
+        # the process's CPU clock, for execute_cpu_seconds: a real engine's (build_engine);
+        # none in the simulator, whose steps take no CPU worth counting (and it costs a call)
+        self.cpu_clock = cpu_clock
         self.lora_ids: set[int] = set()  # adapters the runner holds
 
     # ---- requests ----------------------------------------------------------------
@@ -80,7 +83,7 @@ class EngineCore:
             return []
         cost = self.scheduler.cost_model
         self.predicted_step_seconds = cost.predict(plan.shape) if cost else None
-        t1, cpu = self.clock(), time.process_time()
+        t1, cpu = self.clock(), self.cpu_clock() if self.cpu_clock else 0.0
         try:
             result = self.runner.execute(plan)  # an empty plan still releases finished state
             errors = dict(result.errors)
@@ -92,7 +95,8 @@ class EngineCore:
         if plan.scheduled:
             self.num_steps += 1
             self.execute_seconds += t2 - t1
-            self.execute_cpu_seconds += time.process_time() - cpu
+            if self.cpu_clock:
+                self.execute_cpu_seconds += self.cpu_clock() - cpu
         self.scheduler.observe_step(plan, t2 - t1)
         outputs = [_shed_output(r) for r in plan.shed] + self._fail(errors)
         before = [s.request.num_tokens for s in plan.scheduled]
