@@ -8,8 +8,9 @@ request rates:
 Three modes: `engine`, the real EngineCore and ModelRunner in-process on the wall clock (no
 HTTP; every core, profiled so); `served`, `tandem serve` pinned to one core (`taskset`,
 OMP_NUM_THREADS=1, as an instance on its own device) with the bench client on the other; and
-`1p1d`, prefill and decode servers pinned to a core each behind `tandem proxy`, profiled on
-one core. Each rate point is profiled right before and right after its run, on the shapes
+`1p1d`, prefill and decode servers pinned to a core each behind `tandem proxy` (the proxy
+and the client beside the prefill server, so the decode server has its core as the served
+mode's has), profiled on one core. Each rate point is profiled right before and right after its run, on the shapes
 the workload's steps have, and simulated with the mean of the two: this machine is shared,
 its speed drifts by tens of percent over minutes, and profiles bracketing a whole mode's
 runs (as the first versions took them) were up to 36% apart. Each rate gets its own seed,
@@ -31,7 +32,9 @@ of both processes, less the core's in model steps, read from /proc and /metrics)
 as step_ms per step plus token_ms per sampled token over two calibration runs: CALIBRATION
 requests one at a time, and BURST at a concurrency of 8. What the one-at-a-time requests take
 beyond their simulated steps (HTTP, tokenization, the proxy's hops and the decode side's KV
-import) is the fixed cost the simulated front group gets as latency_ms.
+import) is the fixed cost the simulated front group gets as latency_ms. The prefill
+server's steps also run longer than its profile's (it sends each layer's KV from inside
+them, and shares its core): its group's step_scale, measured in the calibration.
 """
 
 from __future__ import annotations
@@ -138,11 +141,13 @@ def calibrate(url: str, out: Path, mode: str, args, cores, point: int, servers) 
     prefill is the fixed cost outside the engine's steps (HTTP, tokenization, the proxy's
     hops), the simulated group's latency_ms; the host times give its step_ms and token_ms."""
     before = host_usage(servers)
+    # --ready-timeout 0: no test request, so the servers' counters hold these requests alone
     real = bench(url, out, f"{mode}-calibration", args, float("inf"), point, cores,
-                 ["--max-concurrency", "1", "--num-prompts", str(CALIBRATION)])  # fmt: skip
+                 ["--max-concurrency", "1", "--num-prompts", str(CALIBRATION),
+                  "--ready-timeout", "0"])  # fmt: skip
     middle = host_usage(servers)
     bench(url, out, f"{mode}-burst", args, float("inf"), point + 2, cores,
-          ["--max-concurrency", "8", "--num-prompts", str(BURST)])  # fmt: skip
+          ["--max-concurrency", "8", "--num-prompts", str(BURST), "--ready-timeout", "0"])  # fmt: skip
     after = host_usage(servers)
     usage = [[tuple(b - a for a, b in zip(x, y)) for x, y in zip(first, second)]
              for first, second in ((before, middle), (middle, after))]  # fmt: skip
@@ -151,22 +156,28 @@ def calibrate(url: str, out: Path, mode: str, args, cores, point: int, servers) 
     return real, spaced, [list(runs) for runs in zip(*usage)]
 
 
-def host_usage(servers) -> list[tuple[float, float, float]]:
-    """Per tandem server, cumulative: (seconds of CPU its API and engine-core processes took
-    outside model steps, steps, sampled tokens): /proc for the processes' CPU, the server's
-    /metrics for the core's CPU in model steps and the counts."""
-    import httpx
+def tree_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of a process and its children, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
 
-    tick, usage = os.sysconf("SC_CLK_TCK"), []
-
-    def cpu(pid: int) -> float:  # utime + stime
+    def cpu(pid: int) -> float:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / tick
 
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return cpu(pid) + sum(cpu(int(c)) for c in children)
+
+
+def host_usage(servers) -> list[tuple[float, float, float, float, float]]:
+    """Per tandem server, cumulative: (seconds of CPU its API and engine-core processes took
+    outside model steps, steps, sampled tokens, seconds its model steps took, their CPU
+    seconds): /proc for the processes' CPU, the server's /metrics for the core's time and CPU
+    in model steps and the counts."""
+    import httpx
+
+    usage = []
     for server in servers:
-        pid = server.proc.pid
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        total = cpu(pid) + sum(cpu(int(c)) for c in children)
+        total = tree_cpu(server.proc.pid)
         metrics = {}
         for line in httpx.get(f"{server.base_url}/metrics", trust_env=False).text.splitlines():
             if line.startswith("tandem:") and " " in line:
@@ -174,15 +185,17 @@ def host_usage(servers) -> list[tuple[float, float, float]]:
                 metrics[name.split("{")[0]] = float(value)
         usage.append((total - metrics["tandem:engine_execute_cpu_seconds_total"],
                       metrics["tandem:engine_steps_total"],
-                      metrics["tandem:generation_tokens_total"]))  # fmt: skip
+                      metrics["tandem:generation_tokens_total"],
+                      metrics["tandem:engine_execute_seconds_total"],
+                      metrics["tandem:engine_execute_cpu_seconds_total"]))  # fmt: skip
     return usage
 
 
 def host_costs(runs) -> dict:
     """{step_ms, token_ms} such that host seconds = step_ms * steps + token_ms * tokens in
-    both calibration runs [(host seconds, steps, tokens)] (solved exactly; where that needs a
-    negative cost, or the runs cannot tell the two apart, all of it is per step)."""
-    (h1, s1, t1), (h2, s2, t2) = runs
+    both calibration runs [(host seconds, steps, tokens, ...)] (solved exactly; where that
+    needs a negative cost, or the runs cannot tell the two apart, all of it is per step)."""
+    (h1, s1, t1), (h2, s2, t2) = (run[:3] for run in runs)
     det = s1 * t2 - s2 * t1
     step = (h1 * t2 - h2 * t1) / det if det else -1.0
     token = (s1 * h2 - s2 * h1) / det if det else -1.0
@@ -313,7 +326,7 @@ def main() -> None:
 
     def cluster(mode: str, cost: Path, host=None, noise: bool = True) -> dict:
         """The simulated mode; `host`: its groups' host costs ({name: {latency_ms, step_ms,
-        token_ms}})."""
+        token_ms, step_scale}})."""
         host, groups, links = host or {}, [{"name": "local"}], []
         if mode == "1p1d":
             groups = [{"name": "p", "role": "prefill"}, {"name": "d", "role": "decode"}]
@@ -352,7 +365,7 @@ def main() -> None:
             d = pin(tandem_server(free_port(), None, [*engine, "--role", "decode"],
                                   out / "d.log"), "1")  # fmt: skip
             port = free_port()
-            cmd = [sys.executable, "-m", "tandem.cli", "proxy", "--host", "127.0.0.1",
+            cmd = ["taskset", "-c", "0", sys.executable, "-m", "tandem.cli", "proxy", "--host", "127.0.0.1",
                    "--port", str(port), "--prefill", p.base_url, "--decode", d.base_url]  # fmt: skip
             servers = [p, d, ManagedServer("proxy", cmd, f"http://127.0.0.1:{port}",
                                            out / "proxy.log")]  # fmt: skip
@@ -361,12 +374,13 @@ def main() -> None:
         try:
             for s in servers:
                 s.wait_ready(600)
-            client, url = ("0" if mode == "served" else None), servers[-1].base_url
+            client, url = "0", servers[-1].base_url  # 1p1d: beside the prefill server
             warm_pool(url, out, mode, args, client)
             tandems = servers[:2] if mode == "1p1d" else servers  # (prefill, decode), no proxy
             for n in (1, 0):  # the first warms the servers up (its own prompts: no cache hit)
                 calibration = calibrate(url, out, mode, args, client, CALIBRATION_POINT + 3 * n,
                                         tandems)  # fmt: skip
+            (out / f"{mode}-calibration-usage.json").write_text(json.dumps(calibration[2]))
             each_rate(lambda i, rate: bench(url, out, f"{mode}-{rate:g}", args, rate, i, client))
         finally:
             for s in reversed(servers):
@@ -374,12 +388,13 @@ def main() -> None:
         return reals, taken, [], None, calibration
 
     def calibration_costs(mode: str, cost: Path, calibration) -> dict:
-        """Host costs of the mode's groups ({name: {latency_ms, step_ms, token_ms}}). The
-        engine's: no HTTP, and its loop's measured time per token (engine_runner). The
-        servers': step_ms and token_ms from their host time in the calibration runs
-        (host_costs); the front group's latency_ms, what the requests timed one at a time
-        (just before the first rate: priced with its profiles) took beyond their simulated
-        steps."""
+        """Host costs of the mode's groups ({name: {latency_ms, step_ms, token_ms,
+        step_scale}}). The engine's: no HTTP, and its loop's measured time per token
+        (engine_runner). The servers': step_ms and token_ms from their host time in the
+        calibration runs (host_costs); a prefill server's step_scale, how much longer than
+        its profile's its model steps ran (the KV it sends, the core it shares); the front
+        group's latency_ms, what the requests timed one at a time (just before the first
+        rate: priced with its profiles) took beyond their simulated steps."""
         if mode == "engine":
             print(f"engine: its loop took {calibration:.2f} ms a sampled token", flush=True)
             return {"local": {"token_ms": calibration}}
@@ -389,8 +404,23 @@ def main() -> None:
         for name, runs in zip(names, usage):
             print(f"{mode} {name}: host " + ", ".join(
                 f"{1e3 * h / max(1, n):.2f} ms a step ({t / max(1, n):.1f} tokens a step)"
-                for h, n, t in runs) + " -> step_ms {step_ms:.2f}, token_ms {token_ms:.2f}"
+                for h, n, t, *_ in runs) + " -> step_ms {step_ms:.2f}, token_ms {token_ms:.2f}"
                 .format(**host[name]), flush=True)  # fmt: skip
+        if mode == "1p1d":
+            # The prefill server's steps run longer than its profile's: it exports and sends
+            # each layer's KV from inside them (their CPU time one at a time over what the
+            # profile says the same steps take: one at a time, the simulated steps are the
+            # real ones), and under load it shares its core with the client and the proxy
+            # streaming the decode side's tokens (its steps' time over their CPU time in the
+            # burst).
+            alone = simulate(cluster(mode, cost, noise=False), ROOT, spaced)["groups"]["p"]
+            (*_, cpu), (*_, burst_wall, burst_cpu) = usage[0]
+            send, shared = cpu / alone["busy_seconds"], burst_wall / burst_cpu
+            host["p"]["step_scale"] = send * shared
+            print(f"1p1d p: its steps' CPU one at a time {cpu:.2f} s, the profile says "
+                  f"{alone['busy_seconds']:.2f} s ({send:.2f}x); in the burst its steps took "
+                  f"{shared:.2f}x their CPU time -> step_scale {host['p']['step_scale']:.2f}",
+                  flush=True)  # fmt: skip
         sim = simulate(cluster(mode, cost, host, noise=False), ROOT, spaced)
         latency = max(0.0, real["mean_ttft_ms"] - sim["mean_ttft_ms"])
         host[names[-1]]["latency_ms"] = latency
@@ -441,8 +471,8 @@ def main() -> None:
     for mode in dict.fromkeys(row[0] for row in untimed):
         with_host = [r for r in rows if r[0] == mode]
         print(
-            f"{mode}: mean absolute error {mean_error(with_host):.1%} with step_ms and "
-            f"token_ms, {mean_error([r for r in untimed if r[0] == mode]):.1%} without"
+            f"{mode}: mean absolute error {mean_error(with_host):.1%} with step_ms, token_ms "
+            f"and step_scale, {mean_error([r for r in untimed if r[0] == mode]):.1%} without"
         )
     print("'fixed': every step takes the profile's time; the other rows draw each step's time "
           "from the spread of the profile's single runs (its step_noise); 'busy': the simulated "

@@ -16,7 +16,9 @@ JSON, checked with errors naming the field.
       # hops; added to every time its client sees), step_ms and token_ms (host time a step
       # and a sampled token cost outside the runner: the engine loop's bookkeeping, a front
       # end on the same cores taking each step's outputs and streaming them; added to each
-      # step, and per row that samples), step_noise: false (a
+      # step, and per row that samples), step_scale (its steps take this times the cost
+      # model's time: a server measured slower than its profile, e.g. by the KV it sends
+      # from inside a prefill step; default 1), step_noise: false (a
       # profiled group's steps take the fitted time exactly instead of straying as its
       # profile's runs did)
 
@@ -63,6 +65,7 @@ class GroupSpec:
     step_noise: bool = True  # steps stray as the profile's runs did (if it measured that)
     token_s: float = 0.0  # host time per sampled token outside the runner: added to its step
     step_s: float = 0.0  # host time per step outside the runner: added to each
+    step_scale: float = 1.0  # its steps take this times the cost model's time
 
 
 @dataclass(frozen=True)
@@ -165,10 +168,13 @@ def _group(g: dict, i: int, model: ModelSpec, base: Path) -> GroupSpec:
     for name, value in host.items():
         if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0):
             raise ValueError(f"{where}.{name} must be a number >= 0, got {value!r}")
+    scale = g.get("step_scale", 1.0)
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0):
+        raise ValueError(f"{where}.step_scale must be a number > 0, got {scale!r}")
     return GroupSpec(g.get("name", f"group{i}"), count, cost, kv, hardware, tp,
                      float(g.get("price_per_hour", price)), role, caching,
                      host["latency_ms"] / 1000, noise, host["token_ms"] / 1000,
-                     host["step_ms"] / 1000)  # fmt: skip
+                     host["step_ms"] / 1000, float(scale))  # fmt: skip
 
 
 def _hardware(value, where: str) -> Hardware:

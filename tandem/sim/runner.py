@@ -11,7 +11,9 @@ saturation queueing is made of those slow steps. Same seed, same draws: still de
 instance's host outside the runner (the engine loop's schedule, update and messages; a front
 end on the same cores receiving each step's outputs, detokenizing and streaming them): the
 cost model times the runner alone, and on a CPU server this work takes the same cores, so
-every step ends that much later, and one with more rows that sample later still."""
+every step ends that much later, and one with more rows that sample later still.
+`scale` stretches the cost model's time itself: an instance whose steps run slower than its
+profile's (a prefill server exporting and sending KV from inside its steps)."""
 
 from __future__ import annotations
 
@@ -33,16 +35,18 @@ class SimulatedRunner:
         seed: int = 0,
         token_seconds: float = 0.0,
         step_seconds: float = 0.0,
+        scale: float = 1.0,
     ) -> None:
         self.cost_model, self.clock = cost_model, clock
         self.noise, self._rng = noise, random.Random(seed)
         self.token_seconds, self.step_seconds = token_seconds, step_seconds
+        self.scale = scale
         self.busy_seconds = 0.0  # virtual seconds spent computing, for utilisation
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if plan.is_empty:
             return RunnerOutput()
-        seconds = self.cost_model.predict(plan.shape)
+        seconds = self.cost_model.predict(plan.shape) * self.scale
         if self.noise:
             seconds *= self.noise[int(self._rng.random() * len(self.noise))]
         sampled = {s.request.request_id: [SIM_TOKEN] for s in plan.scheduled if s.sample}

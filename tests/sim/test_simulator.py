@@ -100,6 +100,21 @@ def test_a_groups_step_cost_lengthens_every_step_and_adds_to_its_token_cost(tmp_
     assert ClusterSpec.load(path).groups[0].step_s == pytest.approx(0.001)
 
 
+def test_a_groups_step_scale_stretches_the_cost_models_time_before_its_host_costs(tmp_path):
+    # Steps of 10 ms at scale 1.5: 15 ms, plus 1 ms a step (host costs are not scaled). r0
+    # alone: 16 ms a step; r1 (t=20 ms) arrives during r0's second (16-32 ms), then both: 16 ms.
+    requests = [SimRequest(0.0, tuple(range(10)), 4), SimRequest(0.020, tuple(range(50, 60)), 2)]
+    spec = constant_cluster(tmp_path)
+    slow = dataclasses.replace(spec.groups[0], step_scale=1.5, step_s=0.001)
+    r0, r1 = Simulation(dataclasses.replace(spec, groups=[slow]), requests).run()
+    assert r0.token_times == pytest.approx([0.016, 0.032, 0.048, 0.064])
+    assert r1.token_times == pytest.approx([0.048, 0.064])
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"model": "llama-3-8b", "groups": [
+        {"cost_model": "cost.json", "kv_tokens": 4096, "step_scale": 1.5}]}))  # fmt: skip
+    assert ClusterSpec.load(path).groups[0].step_scale == 1.5
+
+
 def noisy_cluster(tmp_path, noise, step_noise=True):
     CostModel((0.01, 0.0, 0.0, 0.0, 0.0), noise=noise).save(tmp_path / "noisy.json")
     return ClusterSpec.from_dict({"model": "llama-3-8b", "groups": [
@@ -303,6 +318,7 @@ def test_roofline_model_reads_the_weights_once_a_step_and_divides_work_by_tp():
         ({"groups": [{"hardware": "H100", "latency_ms": -1}]}, r"groups\[0\].latency_ms"),
         ({"groups": [{"hardware": "H100", "token_ms": "1"}]}, r"groups\[0\].token_ms"),
         ({"groups": [{"hardware": "H100", "step_ms": -1}]}, r"groups\[0\].step_ms"),
+        ({"groups": [{"hardware": "H100", "step_scale": 0}]}, r"groups\[0\].step_scale"),
         ({"groups": [{"hardware": {"name": "X", "bf16_tflops": 100}}]}, r"groups\[0\].hardware"),
         (
             {
