@@ -10,8 +10,8 @@ HTTP; every core, profiled so); `served`, `tandem serve` pinned to one core (`ta
 OMP_NUM_THREADS=1, as an instance on its own device) with the bench client on the other; and
 `1p1d`, prefill and decode servers pinned to a core each behind `tandem proxy` (the proxy
 and the client beside the prefill server, so the decode server has its core as the served
-mode's has), profiled on one core. Each rate point is profiled right before and right after its run, on the shapes
-the workload's steps have, and simulated with the mean of the two: this machine is shared,
+mode's has), profiled on one core. Each rate point is profiled right before and right after
+its run, on the shapes the workload's steps have, and simulated with the mean of the two: this machine is shared,
 its speed drifts by tens of percent over minutes, and profiles bracketing a whole mode's
 runs (as the first versions took them) were up to 36% apart. Each rate gets its own seed,
 so no prompt is cached from an earlier point. Runs, like the profile, are timed on mapped KV
@@ -156,18 +156,6 @@ def calibrate(url: str, out: Path, mode: str, args, cores, point: int, servers) 
     return real, spaced, [list(runs) for runs in zip(*usage)]
 
 
-def tree_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of a process and its children, from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def cpu(pid: int) -> float:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / tick
-
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return cpu(pid) + sum(cpu(int(c)) for c in children)
-
-
 def host_usage(servers) -> list[tuple[float, float, float, float, float]]:
     """Per tandem server, cumulative: (seconds of CPU its API and engine-core processes took
     outside model steps, steps, sampled tokens, seconds its model steps took, their CPU
@@ -175,9 +163,16 @@ def host_usage(servers) -> list[tuple[float, float, float, float, float]]:
     in model steps and the counts."""
     import httpx
 
-    usage = []
+    tick, usage = os.sysconf("SC_CLK_TCK"), []
+
+    def cpu(pid: int) -> float:  # utime + stime
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick
+
     for server in servers:
-        total = tree_cpu(server.proc.pid)
+        pid = server.proc.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        total = cpu(pid) + sum(cpu(int(c)) for c in children)
         metrics = {}
         for line in httpx.get(f"{server.base_url}/metrics", trust_env=False).text.splitlines():
             if line.startswith("tandem:") and " " in line:
@@ -365,10 +360,10 @@ def main() -> None:
             d = pin(tandem_server(free_port(), None, [*engine, "--role", "decode"],
                                   out / "d.log"), "1")  # fmt: skip
             port = free_port()
-            cmd = ["taskset", "-c", "0", sys.executable, "-m", "tandem.cli", "proxy", "--host", "127.0.0.1",
+            cmd = [sys.executable, "-m", "tandem.cli", "proxy", "--host", "127.0.0.1",
                    "--port", str(port), "--prefill", p.base_url, "--decode", d.base_url]  # fmt: skip
-            servers = [p, d, ManagedServer("proxy", cmd, f"http://127.0.0.1:{port}",
-                                           out / "proxy.log")]  # fmt: skip
+            proxy = ManagedServer("proxy", cmd, f"http://127.0.0.1:{port}", out / "proxy.log")
+            servers = [p, d, pin(proxy, "0")]  # the proxy beside the prefill server
         for s in servers:
             s.start()
         try:
@@ -443,7 +438,7 @@ def main() -> None:
                                sim_requests(args, rate, i))  # fmt: skip
                 rows.append((name, rate, real, {k: sim[k] for k in KEYS}, busiest(sim)))
                 print(name, rate, real, rows[-1][3], flush=True)
-            # what the step and token costs are worth: the same point without them
+            # what the host costs and step_scale are worth: the same point without them
             bare = {name: {"latency_ms": h.get("latency_ms", 0.0)} for name, h in host.items()}
             sim = simulate(cluster(mode, cost, bare), ROOT, sim_requests(args, rate, i))
             untimed.append((mode, rate, real, {k: sim[k] for k in KEYS}))
