@@ -186,6 +186,35 @@ def host_usage(servers) -> list[tuple[float, float, float, float, float]]:
     return usage
 
 
+def handoff_stages(url: str) -> dict[str, tuple[float, float]]:
+    """The proxy's cumulative tandem:pd_handoff_stage_seconds: {stage: (sum, count)}."""
+    import httpx
+
+    stages: dict[str, tuple[float, float]] = {}
+    for line in httpx.get(f"{url}/metrics", trust_env=False).text.splitlines():
+        name, _, value = line.partition(" ")
+        kind = name.split("{")[0].removeprefix("tandem:pd_handoff_stage_seconds_")
+        if kind in ("sum", "count") and 'stage="' in name:
+            stage = name.split('stage="')[1].split('"')[0]
+            total, n = stages.get(stage, (0.0, 0.0))
+            add = float(value)
+            stages[stage] = (total + add, n) if kind == "sum" else (total, n + add)
+    return stages
+
+
+def staged_bench(url: str, *bench_args) -> dict:
+    """A bench run through the proxy, with the mean of each handoff stage in it (ms): where
+    its TTFT went, to set beside the simulated stages."""
+    before = handoff_stages(url)
+    real = bench(url, *bench_args)
+    means = real["pd_handoff_stage_ms"] = {}
+    for stage, (total, n) in handoff_stages(url).items():
+        was_total, was_n = before.get(stage, (0.0, 0.0))
+        if n > was_n:
+            means[stage] = 1e3 * (total - was_total) / (n - was_n)
+    return real
+
+
 def host_costs(runs) -> dict:
     """{step_ms, token_ms} such that host seconds = step_ms * steps + token_ms * tokens in
     both calibration runs [(host seconds, steps, tokens, ...)] (solved exactly; where that
@@ -376,7 +405,8 @@ def main() -> None:
                 calibration = calibrate(url, out, mode, args, client, CALIBRATION_POINT + 3 * n,
                                         tandems)  # fmt: skip
             (out / f"{mode}-calibration-usage.json").write_text(json.dumps(calibration[2]))
-            each_rate(lambda i, rate: bench(url, out, f"{mode}-{rate:g}", args, rate, i, client))
+            run = staged_bench if mode == "1p1d" else bench
+            each_rate(lambda i, rate: run(url, out, f"{mode}-{rate:g}", args, rate, i, client))
         finally:
             for s in reversed(servers):
                 s.stop()
@@ -424,7 +454,7 @@ def main() -> None:
               f"{sim['mean_ttft_ms']:.0f} simulated)", flush=True)  # fmt: skip
         return host
 
-    rows, untimed, drifts, hosts = [], [], {}, {}
+    rows, untimed, drifts, hosts, stages = [], [], {}, {}, []
     for mode in modes:
         reals, taken, runs, wide, calibration = measure(mode)
         costs = [bracketed(taken[i], taken[i + 1], profiles / f"{mode}-{rate:g}.json")
@@ -438,6 +468,9 @@ def main() -> None:
                                sim_requests(args, rate, i))  # fmt: skip
                 rows.append((name, rate, real, {k: sim[k] for k in KEYS}, busiest(sim)))
                 print(name, rate, real, rows[-1][3], flush=True)
+                if mode == "1p1d" and noise:
+                    stages.append((rate, reals[i]["pd_handoff_stage_ms"],
+                                   sim["pd_handoff_stage_ms"]))  # fmt: skip
             # what the host costs and step_scale are worth: the same point without them
             bare = {name: {"latency_ms": h.get("latency_ms", 0.0)} for name, h in host.items()}
             sim = simulate(cluster(mode, cost, bare), ROOT, sim_requests(args, rate, i))
@@ -479,6 +512,9 @@ def main() -> None:
         print(f"{mode}: " + "; ".join(
             f"{name} " + ", ".join(f"{k} {v:.2f}" for k, v in h.items())
             for name, h in host.items()) + f" (the host's time outside the engine's steps: {source})")  # fmt: skip
+    for rate, real, sim in stages:
+        print(f"1p1d {rate:g} req/s, mean ms a handoff stage (the proxy's, real / sim): " + ", ".join(
+            f"{k} {real.get(k, 0):.0f} / {sim[k]:.0f}" for k in sim))  # fmt: skip
     if "engine-own" in worst:
         print("engine-own: the engine's requests simulated with a cost model fitted on that run's "
               "own steps (the host's speed while it ran, not the profile's)")  # fmt: skip
@@ -492,7 +528,9 @@ def main() -> None:
            "points": [{"mode": m, "rate": r, "real": a, "simulated": b, "simulated_busy": u}
                       for m, r, a, b, u in rows],
            "without_host_costs": [{"mode": m, "rate": r, "simulated": b}
-                                for m, r, _, b in untimed]}  # fmt: skip
+                                for m, r, _, b in untimed],
+           "pd_handoff_stage_ms": [{"rate": r, "real": a, "simulated": b}
+                                   for r, a, b in stages]}  # fmt: skip
     (out / "validation.json").write_text(json.dumps(doc, indent=2) + "\n")
 
 

@@ -84,6 +84,11 @@ class EngineCoreProc:
             got = self._drain(block=idle)
             if self.stopping:
                 break
+            if self.reserved or self.pending:
+                # A reservation's answer and a committed transfer's first token go out now,
+                # not after the step: a step on a busy decode instance is tens of ms, and the
+                # proxy waits on the first, the client on the second.
+                self._send([])
             if self.core.has_unfinished() or got:
                 # After aborts with nothing left, this step only releases their state; its
                 # stats let the server's metrics see the freed blocks.

@@ -198,6 +198,9 @@ def _print_one(result: dict, summary: str) -> None:
     for name, g in result["groups"].items():
         print(f"  group {name}: {g['instances']} x {g['hardware']} (tp {g['tp']}), "
               f"utilisation {g['utilization']:.0%}")  # fmt: skip
+    if "pd_handoff_stage_ms" in result:
+        print("handoff stages, mean ms: " + ", ".join(
+            f"{k} {v:.1f}" for k, v in result["pd_handoff_stage_ms"].items()))  # fmt: skip
 
 
 def plan(args: argparse.Namespace) -> int:

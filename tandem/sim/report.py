@@ -55,6 +55,12 @@ def summarize(sim: Simulation, records: list[Record], percentiles=(90, 99),
             "busy_seconds": busy,  # its instances' steps, host costs included
             "kv_tokens_per_instance": g.kv_tokens,
         }
+    handed = [r for r in records if r.prefilled is not None and r.first_token is not None]
+    if handed:  # disaggregated: where TTFT went, as the proxy's pd_handoff_stage_seconds
+        stages = {"reserve": [r.reserved - r.request.arrival for r in handed],
+                  "prefill": [r.prefilled - r.reserved for r in handed],
+                  "first_byte": [r.first_token - r.prefilled for r in handed]}  # fmt: skip
+        summary["pd_handoff_stage_ms"] = {k: 1e3 * sum(v) / len(v) for k, v in stages.items()}
     return summary | {
         "simulated": True,
         "simulated_seconds": duration,

@@ -13,11 +13,13 @@ order per instance through `shards.py` (`advance` up to each arrival), on a proc
 
 Disaggregated clusters run the proxy's three-stage handoff on the same objects: a decode
 instance reserves (`EngineCore.reserve`: its radix cache says how much of the prompt it
-holds; no room, and the request waits at the proxy until a step there frees some), a prefill
+holds; no room, and the request waits at the proxy until a step there frees some) between
+its steps, as its engine core reads messages (one arriving mid-step waits for it), a prefill
 instance computes the prompt with `kv_transfer` (max_tokens 1), and the missing KV crosses
 the link layer by layer, overlapped with the prefill step: it has all arrived at
 max(step end + one layer's transfer, step start + the whole transfer) + latency, when the
-decode instance commits (`EngineCore.commit`) and the client sees the first token.
+decode instance commits (`EngineCore.commit`) and the client sees the first token. Each
+record keeps when it was reserved and prefilled: the report's handoff stages.
 
 A group's `latency_s` (HTTP, tokenization, a proxy's hops: what a request spends outside the
 engine's steps) is added to every time its clients see; its steps stray from the cost model's
@@ -64,6 +66,8 @@ class Record:
     error: str = ""
     prefill_instance: str = ""  # disaggregated: where its prompt was computed
     kv_bytes: int = 0  # disaggregated: prompt KV sent to its decode instance
+    reserved: float | None = None  # disaggregated: its decode instance reserved room
+    prefilled: float | None = None  # disaggregated: its prefill step ended, its KV sent
 
     def observe(self, out, now: float) -> None:
         """An output of its engine (EngineCoreOutput), seen at `now`."""
@@ -172,6 +176,8 @@ class Simulation:
                 when, _, kind, payload = heapq.heappop(self._events)
                 if kind == "arrive":
                     self._arrive(*payload)
+                elif kind == "reserve":
+                    self._queue_reserve(when, *payload)
                 else:
                     self._commit(when, *payload)
             elif ready:
@@ -224,7 +230,13 @@ class Simulation:
     def _arrive(self, req: SimRequest, rid: str) -> None:
         inst = self.route_arrival(req, rid)
         req = in_flight(req)
-        if inst.backlog or not self._reserve(inst, req, rid, req.arrival):  # in order
+        if inst.clock() > req.arrival:  # mid-step: its engine core reads the request after it
+            self._push(inst.clock(), "reserve", (inst, req, rid))
+        else:
+            self._queue_reserve(req.arrival, inst, req, rid)
+
+    def _queue_reserve(self, now: float, inst: Instance, req: SimRequest, rid: str) -> None:
+        if inst.backlog or not self._reserve(inst, req, rid, now):  # in order
             inst.backlog.append((req, rid))
 
     def _add(self, inst: Instance, req: SimRequest, rid: str, now: float, kv_transfer=None):
@@ -248,7 +260,7 @@ class Simulation:
             return False
         prefill = self._route(self.prefill_policy, self.prefill, req)
         record = self.records[rid]
-        record.prefill_instance = prefill.name
+        record.prefill_instance, record.reserved = prefill.name, now
         record.kv_bytes = (len(req.prompt) - held) * self.kv_bytes_per_token
         self._add(prefill, req, rid, now, KVTransferParams(decode.name, rid, held))
         return True
@@ -261,6 +273,7 @@ class Simulation:
         if inst.group.role == "prefill":
             for out in outputs:
                 if out.new_token_ids:  # the prompt is done: its KV finishes crossing the link
+                    self.records[out.request_id].prefilled = now
                     self._push(self._kv_arrival(inst, out.request_id, start, now), "commit",
                                (out.request_id, out.new_token_ids[0]))  # fmt: skip
                 elif out.finish_reason is not None:

@@ -164,6 +164,26 @@ def test_one_prefill_one_decode_with_a_constant_step_time_gives_the_hand_compute
     assert decode.kv.usage == 0 and not decode.requests  # committed, decoded, released
 
 
+def test_a_request_arriving_mid_decode_step_is_reserved_when_the_step_ends(tmp_path):
+    # As the decode server's engine core reads messages between steps. A's prefill is 0-10
+    # ms, its KV lands at 10.13 ms (as above) and it decodes in 10 ms steps from there. B
+    # comes at 15 ms, mid-step: reserved at 20.13, prefilled 20.13-30.13, its KV lands at
+    # 30.26, mid-step again: committed, and its first token seen, when that step ends.
+    land = 0.001 / 32 + 0.0001
+    requests = [SimRequest(0.0, tuple(range(10)), 5), SimRequest(0.015, tuple(range(50, 60)), 2)]
+    sim = Simulation(pd_cluster(tmp_path), requests)
+    a, b = records = sim.run()
+    assert (a.reserved, a.prefilled, a.first_token) == pytest.approx((0.0, 0.010, 0.010 + land))
+    assert b.reserved == pytest.approx(0.020 + land)
+    assert b.prefilled == pytest.approx(0.030 + land)
+    assert b.first_token == pytest.approx(0.040 + land)
+    # the report's stages are the proxy's: reserve, prefill, first byte (means, ms)
+    stages = summarize(sim, records)["pd_handoff_stage_ms"]
+    assert stages["reserve"] == pytest.approx(1e3 * (0.0 + 0.005 + land) / 2)
+    assert stages["prefill"] == pytest.approx(10.0)
+    assert stages["first_byte"] == pytest.approx(1e3 * (land + 0.010) / 2)
+
+
 def test_the_decode_side_cache_sends_only_the_missing_kv_and_a_full_decode_pool_waits(
     tmp_path,
 ):
