@@ -31,6 +31,10 @@ from tandem.model.packed_linear import PackedLinear
 
 INT4_GROUPS = (32, 64, 128, 256)  # the group sizes torch's int4 CPU kernel takes
 SLICE_BYTES = 2 << 20  # a dequantized slice, sized to stay in this CPU's L2/L3
+# oneDNN builds a kernel per matmul shape (on an AMX Xeon ~1 ms a shape, 10-40 ms a prompt of
+# a length not seen before): dense rows are padded to a multiple of this, so a server meets
+# at most max_num_batched_tokens / DENSE_ROW_BUCKET row counts a weight.
+DENSE_ROW_BUCKET = 16
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,14 @@ class QuantizedLinear(nn.Module, ABC):
         self.fmt += " + bf16 copy"
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T through bf16 matmuls, its rows padded to a multiple of DENSE_ROW_BUCKET."""
+        m = x.shape[0]
+        pad = -m % DENSE_ROW_BUCKET
+        if not pad:
+            return self._dense(x)
+        return self._dense(F.pad(x, (0, 0, 0, pad)))[:m]
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T through bf16 matmuls, W dequantized one slice of rows at a time."""
         if self.dense_copy is not None:
             return self.dense_copy(x)

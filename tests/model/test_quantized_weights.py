@@ -291,6 +291,21 @@ def test_a_two_term_layer_switches_to_dense_sooner_and_computes_the_same_either_
     assert dense_rows == [layer.kernel_max_rows + 1]
 
 
+def test_dense_matmuls_meet_only_padded_row_counts_and_give_the_rows_asked_for():
+    """oneDNN builds a kernel per shape (an AMX Xeon: 10-40 ms a prompt of a new length), so
+    the dense path pads its rows to a multiple of DENSE_ROW_BUCKET and returns the rows asked
+    for, the numbers the unpadded matmul gives."""
+    _, layer = _int4_layer(192, 128, 32)
+    seen, inner = [], layer._dense
+    layer._dense = lambda x: seen.append(x.shape[0]) or inner(x)
+    for rows in (33, 48, 300):
+        x = torch.randn(rows, 128).to(torch.bfloat16)
+        y = layer.dense(x)
+        assert y.shape == (rows, 192)
+        assert torch.allclose(y.float(), inner(x).float(), rtol=1e-2, atol=1e-2)
+    assert seen == [48, 48, 304]
+
+
 @pytest.mark.parametrize("kind", ["int4", "Q8_0", "int8"])
 def test_a_kept_bf16_copy_holds_the_numbers_the_dequantized_slices_hold(kind):
     """keep_dense_copy: past kernel_max_rows the layer multiplies a bf16 copy prepacked at
