@@ -230,10 +230,8 @@ class Simulation:
     def _arrive(self, req: SimRequest, rid: str) -> None:
         inst = self.route_arrival(req, rid)
         req = in_flight(req)
-        if inst.clock() > req.arrival:  # mid-step: its engine core reads the request after it
-            self._push(inst.clock(), "reserve", (inst, req, rid))
-        else:
-            self._queue_reserve(req.arrival, inst, req, rid)
+        # its engine core reads the request between steps: mid-step, when that step ends
+        self._push(max(inst.clock(), req.arrival), "reserve", (inst, req, rid))
 
     def _queue_reserve(self, now: float, inst: Instance, req: SimRequest, rid: str) -> None:
         if inst.backlog or not self._reserve(inst, req, rid, now):  # in order
