@@ -12,7 +12,10 @@ at one row they are about 5x faster than a bf16 matmul on this project's whole w
 stream from memory), level at 16 rows, 2x slower at 64. Past KERNEL_MAX_ROWS rows the
 weight is instead dequantized to bf16 a cache-sized slice at a time (C++,
 kernels/dequant.cpp) and each slice multiplied while it is still in cache
-(benchmarks/quant_linear.py measures both). The kernels take bfloat16 activations (float32
+(benchmarks/quant_linear.py measures both). Where the CPU has AMX, an int4 weight's dense
+steps are one C++ call instead (int4_gemm: each 64-row block dequantized into AMX's operand
+order and multiplied by oneDNN's brgemm in place), 1.4-2.9x faster than the slices there, and
+they win from 9 rows (AMX_KERNEL_MAX_ROWS). The kernels take bfloat16 activations (float32
 ones take a scalar path 20-60x slower), so a float32 model's activations are rounded to bf16
 around each quantized matmul.
 """
@@ -97,6 +100,9 @@ class QuantizedLinear(nn.Module, ABC):
     # ... and of torch's kernels and a bf16 copy prepacked at load (keep_dense_copy): 9.6 vs
     # 12.0 ms a step at 8 rows, 16.9 vs 13.0 at 12 (`python benchmarks/quant_linear.py`)
     COPY_KERNEL_MAX_ROWS = 10
+    # ... and of torch's kernels and int4_gemm where the CPU has AMX (Int4Linear.amx): 15.0 vs
+    # 16.1 ms a step at 8 rows, 21.3 vs 14.4 at 12 (an AMX Xeon, `benchmarks/quant_linear.py`)
+    AMX_KERNEL_MAX_ROWS = 8
     # Rows torch's CPU weight-only kernels compute per pass over the weights (BLOCK_M of aten's
     # int4 and int8 kernels): each pass dequantizes every weight again, so 5 rows cost about
     # as much as 8 (one 1536x576 Q4_1 projection: 26 us at 4 rows, 49 at 5).
@@ -110,6 +116,7 @@ class QuantizedLinear(nn.Module, ABC):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.can_dense = kernels.dequant() is not None  # else torch's kernels for every size
         self.dense_copy: PackedLinear | None = None  # keep_dense_copy's bf16 weight
+        self.amx = False  # dense steps through int4_gemm (Int4Linear, where the CPU has AMX)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The usual call (2-D bf16 activations, no bias) skips the reshapes and casts: at one
@@ -131,7 +138,9 @@ class QuantizedLinear(nn.Module, ABC):
     @property
     def kernel_max_rows(self) -> int:
         """Rows up to which this layer runs torch's kernel (then dequantize + dense)."""
-        return self.COPY_KERNEL_MAX_ROWS if self.dense_copy is not None else self.KERNEL_MAX_ROWS
+        if self.dense_copy is not None:
+            return self.COPY_KERNEL_MAX_ROWS
+        return self.AMX_KERNEL_MAX_ROWS if self.amx else self.KERNEL_MAX_ROWS
 
     def keep_dense_copy(self) -> None:
         """Hold W in bf16 too, prepacked for oneDNN once: a step past kernel_max_rows then
@@ -189,17 +198,32 @@ class Int4Linear(QuantizedLinear):
     # (49152 x 576) the kernel is 3.2x faster at 1 row and 1.3x at 8, dense 1.1x faster at 12,
     # 1.2x at 16 and 2x at 32 (`python benchmarks/quant_linear.py --head`).
     TWO_TERM_KERNEL_MAX_ROWS = 10
+    # With AMX's int4_gemm the head's dense path wins from 5 rows: 2.62 vs 3.11 ms at 4 rows,
+    # 5.24 vs 3.06 at 6 (an AMX Xeon, `python benchmarks/quant_linear.py --head`).
+    AMX_TWO_TERM_KERNEL_MAX_ROWS = 4
 
     def __init__(self, in_features, out_features, terms: list[Int4Term], fmt: str, bias=None):
         super().__init__(in_features, out_features, bias)
         self.terms, self.fmt = terms, fmt
         self.padded_rows = terms[0].packed.shape[0]
+        # Where the CPU has AMX, dense steps dequantize and multiply a block at a time in one
+        # C++ call (dequant.cpp's int4_gemm): 1.4-1.7x faster than slices + bf16 matmuls there.
+        self.amx = self.can_dense and kernels.dequant().amx()
 
     @property
     def kernel_max_rows(self) -> int:
         if len(self.terms) == 1:
             return super().kernel_max_rows
-        return min(super().kernel_max_rows, self.TWO_TERM_KERNEL_MAX_ROWS)
+        two_term = self.AMX_TWO_TERM_KERNEL_MAX_ROWS if self.amx else self.TWO_TERM_KERNEL_MAX_ROWS
+        return min(super().kernel_max_rows, two_term)
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.amx or self.dense_copy is not None:
+            return super().dense(x)
+        out = x.new_empty(x.shape[0], self.out_features)
+        packed, scales_zeros = [t.packed for t in self.terms], [t.scales_zeros for t in self.terms]
+        kernels.dequant().int4_gemm(out, x, packed, scales_zeros, self.terms[0].group)
+        return out
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu

@@ -14,7 +14,7 @@ from tandem.core.runner import RunnerOutput
 from tandem.core.scheduler import SchedulerOutput
 from tandem.lora.layers import lora_context
 from tandem.model import kernels
-from tandem.model.attention import attention_fn, forward_context
+from tandem.model.attention import amx_sdpa, attention_fn, forward_context, sdpa_attention
 from tandem.model.decode_stack import build_decode_stack
 from tandem.model.kv_quant import storage_dtype
 from tandem.model.layers import use_fused_kernels
@@ -88,6 +88,8 @@ class ModelRunner:
             and cfg.head_dim % 16 == 0 and cfg.head_dim <= 128
             else None
         )  # fmt: skip
+        if prefill_kernel is not None and kv_cache_dtype == "auto" and amx_sdpa():
+            attend, prefill_kernel = sdpa_attention, None
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
             attn.prefill_kernel = prefill_kernel

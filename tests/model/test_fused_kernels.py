@@ -6,6 +6,8 @@ can be. The grouped attention's softmax is the exception: within an ulp of bf16.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -223,11 +225,11 @@ def _bf16_generate(path: str, fused_softmax: bool) -> list:
     """Greedy tokens and top-3 logprobs on a fresh engine (nothing cached between runs)."""
     llm = LLM(path, dtype="bfloat16", kv_cache_memory=0.01)
     layers = llm.engine.runner.model.attention_layers()
-    assert "softmax" in layers[0].attend.keywords  # the runner bound the kernel
+    # bound by the runner where chunks take neither the prefill kernel nor SDPA (AMX)
+    grouped = functools.partial(grouped_attention, softmax=layers[0].fused.masked_softmax_)
     for layer in layers:
         layer.prefill_kernel = None  # chunks through the grouped path, whose softmax this is
-        if not fused_softmax:
-            layer.attend = grouped_attention
+        layer.attend = grouped if fused_softmax else grouped_attention
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
     prompts = [[5, 17, 42, 99, 7, 3, 250, 11] * 5, [300, 12], [64] * 33]
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -285,9 +287,11 @@ def test_the_decode_stack_runs_decode_steps_with_the_python_layers_exact_output(
     assert with_stack == without
 
 
-def test_the_decode_stack_runs_steps_past_the_fused_activations_row_limit_exactly(fused, checkpoints):  # fmt: skip
+def test_the_decode_stack_runs_steps_past_the_fused_activations_row_limit_exactly(fused, checkpoints, monkeypatch):  # fmt: skip
     """More rows than FUSED_ACT_MAX_ROWS: the stack's MLP uses torch's SiLU and mul, as the
-    Python layers do at that size."""
+    Python layers do at that size. (The int4 kernel's limit raised past those rows, where
+    AMX lowers it.)"""
+    monkeypatch.setattr(QuantizedLinear, "AMX_KERNEL_MAX_ROWS", QuantizedLinear.KERNEL_MAX_ROWS)
     prompts = [[7 + i, 40 + i, 99, 3 * i + 1] for i in range(FUSED_ACT_MAX_ROWS + 4)]
     with_stack, ran = _int4_generate(str(checkpoints["llama"]), "bfloat16", True, prompts)
     without, _ = _int4_generate(str(checkpoints["llama"]), "bfloat16", False, prompts)
@@ -298,6 +302,7 @@ def test_the_decode_stack_leaves_steps_past_the_int4_kernels_row_limit_to_the_la
     """Past KERNEL_MAX_ROWS the int4 layers dequantize for dense matmuls; the stack only
     has the int4 kernel, so it must not run those steps (3 rows here, limit 2)."""
     monkeypatch.setattr(QuantizedLinear, "KERNEL_MAX_ROWS", 2)
+    monkeypatch.setattr(QuantizedLinear, "AMX_KERNEL_MAX_ROWS", 2)
     with_stack, ran = _int4_generate(str(checkpoints["llama"]), "float32", stack=True)
     without, _ = _int4_generate(str(checkpoints["llama"]), "float32", stack=False)
     assert with_stack == without

@@ -7,12 +7,14 @@ it; the runner binds it only where it runs."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from tandem import LLM, SamplingParams
 from tandem.model import kernels
-from tandem.model.attention import grouped_attention
+from tandem.model.attention import amx_sdpa, grouped_attention, sdpa_attention
 from tandem.model.kernels import build
 from tandem.model.kv_quant import dequantize_kv, quantize_kv
 from tests.model.conftest import _built
@@ -151,15 +153,16 @@ def test_bad_input_is_refused_by_name(prefill):
         prefill(qs, k8, k8, tables, st, cl, 0.1, ks[:1], ks)
 
 
-def _generate(path: str, with_kernel: bool, kv_cache_dtype: str = "auto") -> list:
-    """Greedy tokens and top-3 logprobs of a fresh bf16 engine, with or without the kernel
-    (then the grouped torch path with the fused softmax)."""
+def _generate(path: str, path_kind: str, kv_cache_dtype: str = "auto") -> list:
+    """Greedy tokens and top-3 logprobs of a fresh bf16 engine whose chunks take one path:
+    the kernel, the grouped torch path with the fused softmax, or torch's SDPA."""
     llm = LLM(path, dtype="bfloat16", kv_cache_memory=0.01, kv_cache_dtype=kv_cache_dtype)
-    layers = llm.engine.runner.model.attention_layers()
-    assert layers[0].prefill_kernel is not None  # the runner bound it
-    if not with_kernel:
-        for layer in layers:
-            layer.prefill_kernel = None
+    softmax = kernels.fused().masked_softmax_
+    for layer in llm.engine.runner.model.attention_layers():
+        layer.prefill_kernel = kernels.prefill_attention() if path_kind == "kernel" else None
+        if path_kind != "kernel":
+            grouped = functools.partial(grouped_attention, softmax=softmax)
+            layer.attend = sdpa_attention if path_kind == "sdpa" else grouped
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
     prompts = [[5, 17, 42, 99, 7, 3, 250, 11] * 5, [300, 12], [64] * 33, list(range(3, 203))]
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -169,7 +172,7 @@ def _generate(path: str, with_kernel: bool, kv_cache_dtype: str = "auto") -> lis
 @pytest.mark.parametrize("arch,kv", [("llama", "auto"), ("qwen2", "auto"), ("llama", "int8")])
 def test_a_bf16_model_keeps_its_greedy_tokens_with_the_kernel(prefill, checkpoints, arch, kv):
     path = str(checkpoints[arch])
-    with_kernel, without = _generate(path, True, kv), _generate(path, False, kv)
+    with_kernel, without = _generate(path, "kernel", kv), _generate(path, "grouped", kv)
     for (tokens, lps), (ref_tokens, ref_lps) in zip(with_kernel, without):
         assert tokens == ref_tokens
         for got, want in zip(lps, ref_lps):
@@ -182,3 +185,26 @@ def test_a_bf16_model_keeps_its_greedy_tokens_with_the_kernel(prefill, checkpoin
 def test_the_runner_binds_it_only_for_bf16_models(prefill, checkpoints):
     llm = LLM(str(checkpoints["llama"]), kv_cache_memory=0.01, dtype="float32")
     assert all(a.prefill_kernel is None for a in llm.engine.runner.model.attention_layers())
+    # bf16: the kernel, except on AMX, where torch's SDPA is faster and chunks take it (an
+    # 8-bit cache keeps the kernel, which reads it in place)
+    for kv in ("auto", "int8"):
+        llm = LLM(
+            str(checkpoints["llama"]), kv_cache_memory=0.01, dtype="bfloat16", kv_cache_dtype=kv
+        )
+        layer = llm.engine.runner.model.attention_layers()[0]
+        sdpa = amx_sdpa() and kv == "auto"
+        assert (layer.prefill_kernel is None) == sdpa
+        assert (layer.attend is sdpa_attention) == sdpa
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_bf16_model_keeps_its_greedy_tokens_on_sdpa(prefill, checkpoints, arch):
+    """The AMX choice: torch's SDPA rounds differently (float32 scores and softmax, no bf16
+    rounding of the scores) but picks the same tokens, logprobs within bf16's resolution."""
+    path = str(checkpoints[arch])
+    on_sdpa, grouped = _generate(path, "sdpa"), _generate(path, "grouped")
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(on_sdpa, grouped):
+        assert tokens == ref_tokens
+        for token, got, want in zip(tokens, lps, ref_lps):
+            # the chosen token's; lower down the top 3, near ties may swap
+            assert abs(got[token].logprob - want[token].logprob) <= 2**-3

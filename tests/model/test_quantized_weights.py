@@ -19,6 +19,7 @@ from tandem import LLM, SamplingParams
 from tandem.core.cost_model import KernelRows
 from tandem.core.model_config import default_model_path
 from tandem.engine.config import EngineConfig
+from tandem.model import kernels
 from tandem.model.gguf_quant import tensor_terms
 from tandem.model.quant import (
     Int4Linear,
@@ -47,6 +48,11 @@ CHATS = [
 def _int4_layer(n, k, group, seed=0):
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
     return w, Int4Linear(k, n, [int4_term(*quantize_int4(w, group))], f"int4 g{group}")
+
+
+AMX = kernels.dequant() is not None and kernels.dequant().amx()
+# where quantized layers change kernels (see quant.py): with AMX's int4_gemm dense wins sooner
+QUANT_ROWS = KernelRows(wide=8, head=4, tile=4) if AMX else KernelRows(wide=32, head=10, tile=4)
 
 
 def _close(y, ref):
@@ -169,8 +175,9 @@ def test_the_default_model_runs_on_its_gguf_blocks_and_follows_the_float_path():
             assert model.model.layers[0].mlp.down_proj.fmt == "Q4_1"
             assert model.model.embed_tokens.source is model.lm_head  # tied: stored once
         # where the cost model's step time has its steps: the projections turn dense past 32
-        # rows, the two-term head past 10 sampled rows, and torch's kernels pass 4 rows
-        expected = KernelRows(wide=32, head=10, tile=4) if method == "gguf" else KernelRows()
+        # rows (8 with AMX), the two-term head past 10 sampled rows (4), and torch's kernels
+        # pass 4 rows
+        expected = QUANT_ROWS if method == "gguf" else KernelRows()
         assert kernel_rows(llm.engine.runner.model, torch.device("cpu")) == expected
         del llm
     assert outs["gguf"] == outs["none"]
@@ -280,8 +287,8 @@ def test_a_two_term_layer_switches_to_dense_sooner_and_computes_the_same_either_
     w = torch.randn(128, 64)
     layer = Int4Linear(64, 128, [int4_term(*t) for t in quantize_int8_groups(w, 32)], "Q8_0")
     _, single = _int4_layer(128, 64, 32)
-    assert single.kernel_max_rows == QuantizedLinear.KERNEL_MAX_ROWS
-    assert layer.kernel_max_rows == Int4Linear.TWO_TERM_KERNEL_MAX_ROWS < single.kernel_max_rows
+    assert single.kernel_max_rows == QUANT_ROWS.wide
+    assert layer.kernel_max_rows == QUANT_ROWS.head < single.kernel_max_rows
     ref, dense_rows = layer.dequantize(), []
     dense = layer.dense
     layer.dense = lambda x: dense_rows.append(x.shape[0]) or dense(x)
@@ -296,6 +303,7 @@ def test_dense_matmuls_meet_only_padded_row_counts_and_give_the_rows_asked_for()
     the dense path pads its rows to a multiple of DENSE_ROW_BUCKET and returns the rows asked
     for, the numbers the unpadded matmul gives."""
     _, layer = _int4_layer(192, 128, 32)
+    layer.amx = False  # AMX's int4_gemm builds no per-shape kernels and pads nothing
     seen, inner = [], layer._dense
     layer._dense = lambda x: seen.append(x.shape[0]) or inner(x)
     for rows in (33, 48, 300):
@@ -304,6 +312,32 @@ def test_dense_matmuls_meet_only_padded_row_counts_and_give_the_rows_asked_for()
         assert y.shape == (rows, 192)
         assert torch.allclose(y.float(), inner(x).float(), rtol=1e-2, atol=1e-2)
     assert seen == [48, 48, 304]
+
+
+@pytest.mark.parametrize("terms", [1, 2])
+def test_with_amx_a_dense_step_multiplies_the_same_bf16_weights_a_block_at_a_time(terms):
+    """int4_gemm (AMX): each 64-row block dequantized into AMX's order and multiplied by
+    brgemm, 32 input rows a call; the same bf16 weights as the sliced path, so the same
+    products up to the order of the sums, for any row count and an output width that is not
+    a multiple of 64. Without AMX it is never chosen, and refuses if called."""
+    torch.manual_seed(terms)
+    w = torch.randn(100, 128) * 0.05
+    quantized = [quantize_int4(w, 32)] if terms == 1 else quantize_int8_groups(w, 32)
+    layer = Int4Linear(128, 100, [int4_term(*t) for t in quantized], "t")
+    assert layer.amx == AMX
+    if not AMX:
+        if kernels.dequant() is not None:
+            out = torch.empty(2, 100, dtype=torch.bfloat16)
+            args = [t.packed for t in layer.terms], [t.scales_zeros for t in layer.terms]
+            with pytest.raises(RuntimeError, match="int4_gemm needs AMX"):
+                kernels.dequant().int4_gemm(out, torch.zeros(2, 128).bfloat16(), *args, 32)
+        return
+    for rows in (1, 31, 32, 33, 100):
+        x = torch.randn(rows, 128).to(torch.bfloat16)
+        y = layer.dense(x)
+        assert y.shape == (rows, 100) and y.dtype == torch.bfloat16
+        assert torch.allclose(y.float(), layer._dense(x).float(), rtol=1e-2, atol=1e-2)
+        assert _close(y, x.float() @ layer.dequantize().t())
 
 
 @pytest.mark.parametrize("kind", ["int4", "Q8_0", "int8"])
@@ -358,7 +392,7 @@ def test_the_bf16_copy_serves_large_steps_and_follows_the_quantized_path(checkpo
         outs[copy] = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
         layer = llm.engine.runner.model.model.layers[0].mlp.down_proj
         assert (layer.dense_copy is not None) == copy
-        assert layer.kernel_max_rows == (QuantizedLinear.COPY_KERNEL_MAX_ROWS if copy else 32)
+        assert layer.kernel_max_rows == (QuantizedLinear.COPY_KERNEL_MAX_ROWS if copy else QUANT_ROWS.wide)  # fmt: skip
         assert llm.quantization.endswith("+ bf16 copy") == copy
         del llm
     ref, copied = outs[False], outs[True]

@@ -17,9 +17,19 @@
 //
 // dequant_int8(out, q, scales): out = W, [n, k] bfloat16, w = q * scale[row] (the caller
 //   passes a slice of rows, contiguous in this layout).
+//
+// int4_gemm(out, x, [packed...], [scales_zeros...], group): out = x W^T, [m, n_out] bfloat16
+//   (n_out <= W's padded rows), where the CPU has AMX (amx() is true). Each 64-row block of W
+//   is dequantized into a buffer that stays in L2, in the VNNI order AMX reads (pairs of
+//   columns interleaved: B[k][j] at ((k / 2) * 64 + j) * 2 + k % 2), and multiplied there by
+//   oneDNN's brgemm ukernel (ATen's cpublas::brgemm), 32 input rows at a time. A bf16 matmul
+//   on a plain dequantized slice instead reorders the slice into that order on every call, and
+//   oneDNN builds a kernel for every new row count: on an AMX Xeon the two cost more than the
+//   matmul.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -32,18 +42,83 @@
 namespace {
 
 #ifdef __AVX512F__
-// 16 floats to bfloat16, rounded to nearest even as c10::BFloat16 does (finite inputs).
-inline void store_bf16(at::BFloat16* dst, __m512 x) {
+// 16 floats to bfloat16 bits, rounded to nearest even as c10::BFloat16 does (finite inputs).
+inline __m256i bf16_bits(__m512 x) {
 #ifdef __AVX512BF16__
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(x));
+  return (__m256i)_mm512_cvtneps_pbh(x);
 #else
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 #endif
 }
 
+inline void store_bf16(at::BFloat16* dst, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bf16_bits(x));
+}
+
+#endif
+
+// Per-row scale of each term and summed zero point of 64-row block b over group g:
+// (q - 8) * scale + zero = q * scale + (zero - 8 scale).
+template <int terms>
+inline void block_params(float (&scale)[terms][64], float (&zero)[64],
+                         const at::BFloat16* const* szs, int64_t n, int64_t b, int64_t g) {
+  for (int j = 0; j < 64; ++j) zero[j] = 0.f;
+  for (int t = 0; t < terms; ++t) {
+    const at::BFloat16* s = szs[t] + (g * n + b * 64) * 2;
+    for (int j = 0; j < 64; ++j) {
+      scale[t][j] = static_cast<float>(s[2 * j]);
+      zero[j] += static_cast<float>(s[2 * j + 1]) - 8.f * scale[t][j];
+    }
+  }
+}
+
+#ifdef __AVX512F__
+// Column c of block b: its 64 weights as four vectors of 16 rows.
+template <int terms>
+inline void column(__m512 (&w)[4], const __m512 (&vs)[terms][4], const __m512 (&vz)[4],
+                   const uint8_t* const* ps, int64_t k, int64_t b, int64_t c) {
+  const __m256i low4 = _mm256_set1_epi8(15);
+  for (int v = 0; v < 4; ++v) w[v] = vz[v];
+  for (int t = 0; t < terms; ++t) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ps[t] + (b * k + c) * 32));
+    const __m256i lo = _mm256_and_si256(bytes, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+    const __m128i parts[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
+                              _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
+    for (int v = 0; v < 4; ++v) {  // rows 16v .. 16v + 15 of the block
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[v]));
+      w[v] = _mm512_fmadd_ps(q, vs[t][v], w[v]);
+    }
+  }
+}
+
+template <int terms>
+inline void load_params(__m512 (&vs)[terms][4], __m512 (&vz)[4], const float (&scale)[terms][64],
+                        const float (&zero)[64]) {
+  for (int v = 0; v < 4; ++v) {
+    for (int t = 0; t < terms; ++t) vs[t][v] = _mm512_loadu_ps(scale[t] + 16 * v);
+    vz[v] = _mm512_loadu_ps(zero + 16 * v);
+  }
+}
+
+// The rounded bf16 bits of 16 floats, each in the low half of a 32-bit lane.
+inline __m512i bf16_lanes(__m512 x) { return _mm512_cvtepu16_epi32(bf16_bits(x)); }
+#else
+template <int terms>
+inline void column(float (&w)[64], const float (&scale)[terms][64], const float (&zero)[64],
+                   const uint8_t* const* ps, int64_t k, int64_t b, int64_t c) {
+  for (int j = 0; j < 64; ++j) w[j] = zero[j];
+  for (int t = 0; t < terms; ++t) {
+    const uint8_t* src = ps[t] + (b * k + c) * 32;
+    for (int j = 0; j < 32; ++j) {
+      w[j] += static_cast<float>(src[j] & 15) * scale[t][j];
+      w[j + 32] += static_cast<float>(src[j] >> 4) * scale[t][j + 32];
+    }
+  }
+}
 #endif
 
 // The sum of `terms` int4 terms (GGUF's Q8_0 is two), rows [row_begin, row_begin + rows).
@@ -55,53 +130,89 @@ void dequant_terms(at::BFloat16* o, const uint8_t* const* ps, const at::BFloat16
     float scale[terms][64], zero[64];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / groups + first, g = i % groups;
-      for (int j = 0; j < 64; ++j) zero[j] = 0.f;
-      for (int t = 0; t < terms; ++t) {  // (q - 8) * scale + zero = q * scale + (zero - 8 scale)
-        const at::BFloat16* s = szs[t] + (g * n + b * 64) * 2;
-        for (int j = 0; j < 64; ++j) {
-          scale[t][j] = static_cast<float>(s[2 * j]);
-          zero[j] += static_cast<float>(s[2 * j + 1]) - 8.f * scale[t][j];
-        }
-      }
+      block_params<terms>(scale, zero, szs, n, b, g);
 #ifdef __AVX512F__
-      __m512 vs[terms][4], vz[4];
-      for (int v = 0; v < 4; ++v) {
-        for (int t = 0; t < terms; ++t) vs[t][v] = _mm512_loadu_ps(scale[t] + 16 * v);
-        vz[v] = _mm512_loadu_ps(zero + 16 * v);
-      }
-      const __m256i low4 = _mm256_set1_epi8(15);
+      __m512 vs[terms][4], vz[4], w[4];
+      load_params<terms>(vs, vz, scale, zero);
       for (int64_t c = g * group; c < (g + 1) * group; ++c) {
-        __m512 w[4] = {vz[0], vz[1], vz[2], vz[3]};
-        for (int t = 0; t < terms; ++t) {
-          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ps[t] + (b * k + c) * 32));  
-          const __m256i lo = _mm256_and_si256(bytes, low4);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-          const __m128i parts[4] = {_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1),
-                                    _mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)};
-          for (int v = 0; v < 4; ++v) {  // rows 16v .. 16v + 15 of the block
-            const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[v]));
-            w[v] = _mm512_fmadd_ps(q, vs[t][v], w[v]);
-          }
-        }
+        column<terms>(w, vs, vz, ps, k, b, c);
         at::BFloat16* dst = o + c * rows + (b - first) * 64;
         for (int v = 0; v < 4; ++v) store_bf16(dst + 16 * v, w[v]);
       }
 #else
+      float w[64];
       for (int64_t c = g * group; c < (g + 1) * group; ++c) {
-        float w[64];
-        for (int j = 0; j < 64; ++j) w[j] = zero[j];
-        for (int t = 0; t < terms; ++t) {
-          const uint8_t* src = ps[t] + (b * k + c) * 32;
-          for (int j = 0; j < 32; ++j) {
-            w[j] += static_cast<float>(src[j] & 15) * scale[t][j];
-            w[j + 32] += static_cast<float>(src[j] >> 4) * scale[t][j + 32];
-          }
-        }
+        column<terms>(w, scale, zero, ps, k, b, c);
         at::BFloat16* dst = o + c * rows + (b - first) * 64;
         for (int j = 0; j < 64; ++j) dst[j] = w[j];
       }
 #endif
     }
+  });
+}
+
+// Block b of W (64 rows, every column) into o, [k / 2][64][2] bfloat16: AMX's VNNI order.
+template <int terms>
+void dequant_block_vnni(at::BFloat16* o, const uint8_t* const* ps, const at::BFloat16* const* szs,
+                        int64_t n, int64_t k, int64_t group, int64_t b) {
+  float scale[terms][64], zero[64];
+  for (int64_t g = 0; g < k / group; ++g) {
+    block_params<terms>(scale, zero, szs, n, b, g);
+#ifdef __AVX512F__
+    __m512 vs[terms][4], vz[4], w0[4], w1[4];
+    load_params<terms>(vs, vz, scale, zero);
+    for (int64_t c = g * group; c < (g + 1) * group; c += 2) {
+      column<terms>(w0, vs, vz, ps, k, b, c);
+      column<terms>(w1, vs, vz, ps, k, b, c + 1);
+      at::BFloat16* dst = o + c * 64;  // = (c / 2) * 64 * 2
+      for (int v = 0; v < 4; ++v) {
+        const __m512i pair = _mm512_or_si512(bf16_lanes(w0[v]), _mm512_slli_epi32(bf16_lanes(w1[v]), 16));
+        _mm512_storeu_si512(dst + 32 * v, pair);
+      }
+    }
+#else
+    float w0[64], w1[64];
+    for (int64_t c = g * group; c < (g + 1) * group; c += 2) {
+      column<terms>(w0, scale, zero, ps, k, b, c);
+      column<terms>(w1, scale, zero, ps, k, b, c + 1);
+      for (int j = 0; j < 64; ++j) {
+        o[c * 64 + 2 * j] = w0[j];
+        o[c * 64 + 2 * j + 1] = w1[j];
+      }
+    }
+#endif
+  }
+}
+
+// Input rows a brgemm call: one kernel for all calls but the tail. (32, 64 and 128 rows, and
+// 2 or 4 blocks of W a call, measured within noise of each other on an AMX Xeon.)
+constexpr int64_t GEMM_ROWS = 32;
+
+template <int terms>
+void gemm_terms(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* ps,
+                const at::BFloat16* const* szs, int64_t m, int64_t n, int64_t n_out, int64_t k,
+                int64_t group) {
+  const int64_t blocks = (n_out + 63) / 64;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<at::BFloat16> w(k * 64);
+    alignas(64) float acc[GEMM_ROWS * 64];
+    for (int64_t b = begin; b < end; ++b) {
+      dequant_block_vnni<terms>(w.data(), ps, szs, n, k, group, b);
+      const int64_t cols = std::min<int64_t>(64, n_out - b * 64);
+      for (int64_t m0 = 0; m0 < m; m0 += GEMM_ROWS) {
+        const int64_t rows = std::min(GEMM_ROWS, m - m0);
+        at::native::cpublas::brgemm(rows, 64, k, k, 64, 64, false, x + m0 * k, w.data(), acc);
+        for (int64_t i = 0; i < rows; ++i) {
+          at::BFloat16* dst = out + (m0 + i) * n_out + b * 64;
+          int64_t j = 0;
+#ifdef __AVX512F__
+          for (; j + 16 <= cols; j += 16) store_bf16(dst + j, _mm512_load_ps(acc + i * 64 + j));
+#endif
+          for (; j < cols; ++j) dst[j] = acc[i * 64 + j];
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release();
   });
 }
 
@@ -152,9 +263,46 @@ void dequant_int8(at::Tensor& out, const at::Tensor& q, const at::Tensor& scales
   });
 }
 
+bool amx() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+void int4_gemm(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor>& packed,
+               const std::vector<at::Tensor>& scales_zeros, int64_t group) {
+  TORCH_CHECK(amx(), "int4_gemm needs AMX (amx() is false on this CPU)");
+  TORCH_CHECK(!packed.empty() && packed.size() <= 2 && packed.size() == scales_zeros.size(),
+              "one or two terms, one scales_zeros a term");
+  const int64_t n = scales_zeros[0].size(1), k = scales_zeros[0].size(0) * group;
+  for (size_t t = 0; t < packed.size(); ++t) {
+    TORCH_CHECK(packed[t].is_contiguous() && packed[t].scalar_type() == at::kByte &&
+                    packed[t].numel() == n * k / 2 && n % 64 == 0,
+                "packed: uint8 [n, k / 2], n % 64 == 0");
+    TORCH_CHECK(scales_zeros[t].is_contiguous() && scales_zeros[t].scalar_type() == at::kBFloat16 &&
+                    scales_zeros[t].size(1) == n && scales_zeros[t].size(0) * group == k,
+                "scales_zeros: contiguous bfloat16 [k / group, n, 2], alike for every term");
+  }
+  TORCH_CHECK(group % 2 == 0, "group: even");
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == k,
+              "x: contiguous bfloat16 [m, k]");
+  const int64_t m = x.size(0), n_out = out.size(1);
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kBFloat16 && out.dim() == 2 &&
+                  out.size(0) == m && n_out <= n,
+              "out: contiguous bfloat16 [m, n_out], n_out <= n");
+  const uint8_t* ps[2];
+  const at::BFloat16* szs[2];
+  for (size_t t = 0; t < packed.size(); ++t) {
+    ps[t] = packed[t].data_ptr<uint8_t>();
+    szs[t] = scales_zeros[t].data_ptr<at::BFloat16>();
+  }
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  if (packed.size() == 1) gemm_terms<1>(o, xp, ps, szs, m, n, n_out, k, group);
+  else gemm_terms<2>(o, xp, ps, szs, m, n, n_out, k, group);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_int4_t", &dequant_int4_t, "int4 (torch CPU layout) -> W^T bfloat16, into out");
   m.def("dequant_int8", &dequant_int8, "int8 per-row -> W bfloat16, into out");
+  m.def("amx", &amx, "whether int4_gemm runs here (AMX)");
+  m.def("int4_gemm", &int4_gemm, "x W^T for int4 (torch CPU layout) W, into out: AMX only");
 }
