@@ -14,8 +14,8 @@ weight is instead dequantized to bf16 a cache-sized slice at a time (C++,
 kernels/dequant.cpp) and each slice multiplied while it is still in cache
 (benchmarks/quant_linear.py measures both). Where the CPU has AMX, an int4 weight's dense
 steps are one C++ call instead (int4_gemm: each 64-row block dequantized into AMX's operand
-order and multiplied by oneDNN's brgemm in place), 1.4-2.9x faster than the slices there, and
-they win from 9 rows (AMX_KERNEL_MAX_ROWS). The kernels take bfloat16 activations (float32
+order and multiplied by oneDNN's brgemm in place), 1.2-2.9x faster than the slices there
+from 9 rows (AMX_KERNEL_MAX_ROWS) to about 240 (AMX_GEMM_MAX_ROWS). The kernels take bfloat16 activations (float32
 ones take a scalar path 20-60x slower), so a float32 model's activations are rounded to bf16
 around each quantized matmul.
 """
@@ -201,6 +201,10 @@ class Int4Linear(QuantizedLinear):
     # With AMX's int4_gemm the head's dense path wins from 5 rows: 2.62 vs 3.11 ms at 4 rows,
     # 5.24 vs 3.06 at 6 (an AMX Xeon, `python benchmarks/quant_linear.py --head`).
     AMX_TWO_TERM_KERNEL_MAX_ROWS = 4
+    # int4_gemm's brgemm calls run at about a third of AMX's matmul rate, so past ~250 rows
+    # the slices' one oneDNN matmul each wins back its reorders: the model's projections 50.8
+    # vs 63.1 ms at 192 rows, 62.9 vs 60.5 at 256, 442 vs 227 at 2048 (an AMX Xeon)
+    AMX_GEMM_MAX_ROWS = 240
 
     def __init__(self, in_features, out_features, terms: list[Int4Term], fmt: str, bias=None):
         super().__init__(in_features, out_features, bias)
@@ -218,7 +222,7 @@ class Int4Linear(QuantizedLinear):
         return min(super().kernel_max_rows, two_term)
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.amx or self.dense_copy is not None:
+        if not self.amx or self.dense_copy is not None or x.shape[0] > self.AMX_GEMM_MAX_ROWS:
             return super().dense(x)
         out = x.new_empty(x.shape[0], self.out_features)
         packed, scales_zeros = [t.packed for t in self.terms], [t.scales_zeros for t in self.terms]

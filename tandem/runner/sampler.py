@@ -68,12 +68,12 @@ class Sampler:
 
         greedy = [p.greedy for p in params]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax(logits)
         else:
             tokens = self._random(logits, request_ids, params)
             if any(greedy):
                 mask = torch.tensor(greedy, device=logits.device)
-                tokens = torch.where(mask, logits.argmax(dim=-1), tokens)
+                tokens = torch.where(mask, argmax(logits), tokens)
 
         token_list = tokens.tolist()
         logprobs = [None] * len(params)
@@ -120,7 +120,7 @@ class Sampler:
                 if several:
                     self._states.setdefault(rid, []).append(gen.get_state())
                 noise[i].exponential_(generator=gen)
-        return (probs / noise).argmax(dim=-1)
+        return argmax(probs / noise)
 
 
 def apply_penalties(logits, params, token_ids, num_prompt_tokens) -> torch.Tensor:
@@ -174,3 +174,10 @@ def gather_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, num_lp: list[i
         None if n is None else (ids[i][: n + 1], lps[i][: n + 1], ranks[i])
         for i, n in enumerate(num_lp)
     ]
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) (the first of tied maxima; NaN wins as there), through max(): torch's CPU
+    argmax is 2-5x slower than its max with indices (16 rows of a 49152-token vocabulary in
+    bf16: 1.23 vs 0.26 ms)."""
+    return x.max(dim=-1).indices

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -319,7 +320,7 @@ def test_with_amx_a_dense_step_multiplies_the_same_bf16_weights_a_block_at_a_tim
     """int4_gemm (AMX): each 64-row block dequantized into AMX's order and multiplied by
     brgemm, 32 input rows a call; the same bf16 weights as the sliced path, so the same
     products up to the order of the sums, for any row count and an output width that is not
-    a multiple of 64. Without AMX it is never chosen, and refuses if called."""
+    a multiple of 64; past AMX_GEMM_MAX_ROWS rows, the slices again. Without AMX it is never chosen, and refuses if called."""
     torch.manual_seed(terms)
     w = torch.randn(100, 128) * 0.05
     quantized = [quantize_int4(w, 32)] if terms == 1 else quantize_int8_groups(w, 32)
@@ -332,12 +333,15 @@ def test_with_amx_a_dense_step_multiplies_the_same_bf16_weights_a_block_at_a_tim
             with pytest.raises(RuntimeError, match="int4_gemm needs AMX"):
                 kernels.dequant().int4_gemm(out, torch.zeros(2, 128).bfloat16(), *args, 32)
         return
-    for rows in (1, 31, 32, 33, 100):
+    calls, gemm = [], kernels.dequant().int4_gemm
+    for rows in (1, 31, 32, 33, 100, Int4Linear.AMX_GEMM_MAX_ROWS + 1):
         x = torch.randn(rows, 128).to(torch.bfloat16)
-        y = layer.dense(x)
+        with patch.object(kernels.dequant(), "int4_gemm", lambda o, x, *a: calls.append(len(x)) or gemm(o, x, *a)):  # fmt: skip
+            y = layer.dense(x)
         assert y.shape == (rows, 100) and y.dtype == torch.bfloat16
         assert torch.allclose(y.float(), layer._dense(x).float(), rtol=1e-2, atol=1e-2)
         assert _close(y, x.float() @ layer.dequantize().t())
+    assert calls == [1, 31, 32, 33, 100]  # past AMX_GEMM_MAX_ROWS rows the slices win
 
 
 @pytest.mark.parametrize("kind", ["int4", "Q8_0", "int8"])

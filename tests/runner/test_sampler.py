@@ -7,7 +7,7 @@ import math
 import torch
 
 from tandem.core.sampling_params import SamplingParams
-from tandem.runner.sampler import Sampler, apply_penalties, apply_top_k_top_p
+from tandem.runner.sampler import Sampler, apply_penalties, apply_top_k_top_p, argmax
 
 CPU = torch.device("cpu")
 
@@ -113,3 +113,13 @@ def test_logprobs_report_the_sampled_token_its_rank_and_the_top_k():
     assert lps == [expected[1].item(), expected[1].item(), expected[2].item()]
     none = sample(logits, [SamplingParams(temperature=0)])
     assert none.logprobs == [None]
+
+
+def test_argmax_picks_what_torch_argmax_picks_among_ties_and_nans():
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        ties = torch.randint(0, 4, (16, 4096), generator=g).to(dtype)  # many tied maxima
+        ties[3, 100], ties[5, 7] = float("nan"), float("inf")
+        spread = torch.randn(16, 4096, generator=g).to(dtype)
+        for x in (ties, spread):
+            assert torch.equal(argmax(x), x.argmax(dim=-1))
