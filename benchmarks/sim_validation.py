@@ -65,7 +65,7 @@ WARM_POINT = 200  # their seed offset
 
 GRID = [
     "--prefill-tokens",
-    "0,64,192,384",
+    "0,64,160,288,384",
     "--prefill-context",
     "0",
     "--decode-rows",

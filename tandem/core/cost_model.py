@@ -41,10 +41,10 @@ from pathlib import Path
 
 FEATURES = ("const", "prefill_tokens", "decode_rows", "kv_tokens", "chunk_kv", "narrow_rows",
             "wide_step", "prefill_rows", "chunk_own", "kernel_tiles", "head_tiles",
-            "head_wide")  # fmt: skip
+            "head_wide", "gemm_rows", "sliced_step")  # fmt: skip
 Coef = tuple[float, ...]
 # Files saved before a feature was added name a prefix of FEATURES: the rest read as zeros.
-SAVED_FEATURES = (FEATURES[:5], FEATURES[:7], FEATURES[:9], FEATURES)
+SAVED_FEATURES = (FEATURES[:5], FEATURES[:7], FEATURES[:9], FEATURES[:12], FEATURES)
 
 
 @dataclass(frozen=True)
@@ -53,14 +53,18 @@ class KernelRows:
     it does not). Past `wide` rows (prefill tokens plus decode rows) the projections
     dequantize their weights once for a dense matmul; past `head` sampled rows the output
     head does. Up to them, each pass of the kernel computes `tile` rows and reads and
-    dequantizes every weight again: a step's cost is a staircase in its rows."""
+    dequantizes every weight again: a step's cost is a staircase in its rows. Where the
+    dense path itself changes past `gemm` rows (AMX: a fused dequantize-and-multiply per
+    block up to them, dearer per row; dequantized slices past them, dearer per step), a
+    dense step's rows up to `gemm` cost extra per row, and a step past them a constant."""
 
     wide: int | None = None
     head: int | None = None
     tile: int | None = None
+    gemm: int | None = None
 
     def __post_init__(self) -> None:
-        for name, least in (("wide", 0), ("head", 0), ("tile", 1)):
+        for name, least in (("wide", 0), ("head", 0), ("tile", 1), ("gemm", 0)):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int) and value >= least):
                 raise ValueError(
@@ -145,7 +149,7 @@ class StepShape:
 class CostModel:
     # seconds per step, prefill token, decode row, KV token, chunk KV entry, row up to
     # kernels.wide, step past them, prefill chunk, own pair of a chunk, kernel tile, head
-    # tile, dense head (fewer given: zeros)
+    # tile, dense head, dense row up to kernels.gemm, step past them (fewer given: zeros)
     coef: Coef
     info: dict | None = None  # where it came from: hardware, model, fit error
     kernels: KernelRows = KernelRows()  # where the runner's kernels change (default: nowhere)
@@ -210,7 +214,7 @@ class CostModel:
     def to_dict(self) -> dict:
         k = self.kernels
         return {"features": list(FEATURES), "coef": list(self.coef), "wide_rows": k.wide,
-                "head_rows": k.head, "row_tile": k.tile, "info": self.info or {},
+                "head_rows": k.head, "row_tile": k.tile, "gemm_rows": k.gemm, "info": self.info or {},
                 "step_noise": list(self.noise)}  # fmt: skip
 
     @classmethod
@@ -221,7 +225,8 @@ class CostModel:
         known = [list(f) for f in SAVED_FEATURES]
         if names not in known or not isinstance(coef, list) or len(coef) != len(names):
             raise ValueError(f"cost model: expected coefficients for {list(FEATURES)}")
-        kernels = KernelRows(data.get("wide_rows"), data.get("head_rows"), data.get("row_tile"))
+        kernels = KernelRows(data.get("wide_rows"), data.get("head_rows"), data.get("row_tile"),
+                             data.get("gemm_rows"))  # fmt: skip
         noise = data.get("step_noise", [])
         if not (isinstance(noise, list) and all(isinstance(r, (int, float)) and r > 0
                                                  for r in noise)):  # fmt: skip
@@ -299,17 +304,20 @@ def noise_quantiles(runs: Iterable[Sequence[float]], typical: Iterable[float], n
 
 def _features(shape: StepShape, kernels: KernelRows) -> tuple[float, ...]:
     """The values FEATURES names, for a runner whose kernels change where `kernels` says."""
-    wide, head, tile = kernels.wide, kernels.head, kernels.tile
+    wide, head, tile, gemm = kernels.wide, kernels.head, kernels.tile, kernels.gemm
     # float weights and rooflines change no kernels: the simulator's hot path, kept short
-    if wide is None and head is None and tile is None:
-        return (*shape.features(), 0, 0, shape.prefill_rows, shape.chunk_own, 0, 0, 0)
+    if wide is None and head is None and tile is None and gemm is None:
+        return (*shape.features(), 0, 0, shape.prefill_rows, shape.chunk_own, 0, 0, 0, 0, 0)
     rows, sampled = shape.prefill_tokens + shape.decode_rows, shape.sampled_rows
     narrow, past = (0, 0) if wide is None else (min(rows, wide), rows > wide)
     tiles = -(-rows // tile) if tile and not past else 0  # passes over the weights
     head_past = head is not None and sampled > head
     head_tiles = -(-sampled // tile) if tile and head is not None and not head_past else 0
+    dense = past or wide is None
+    gemm_rows = min(rows, gemm) if gemm is not None and dense else 0
+    sliced = gemm is not None and rows > gemm
     return (*shape.features(), narrow, float(past), shape.prefill_rows, shape.chunk_own, tiles,
-            head_tiles, float(head_past))  # fmt: skip
+            head_tiles, float(head_past), gemm_rows, float(sliced))  # fmt: skip
 
 
 # A prior for a small model on a CPU, replaced as soon as real steps are timed.

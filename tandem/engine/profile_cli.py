@@ -108,6 +108,12 @@ def run(args: argparse.Namespace) -> int:
             if kernels.head is not None
             else ""
         )
+        + (
+            f" + {c[12] * 1e3:.3f} ms/dense row up to {kernels.gemm} rows + "
+            f"{c[13] * 1e3:.3f} ms past them"
+            if kernels.gemm is not None
+            else ""
+        )
     )
     one_chunk = [[(replace(s, prefill_rows=0, chunk_own=0), t) for s, t in f] for f in folds]
     print(

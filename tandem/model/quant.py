@@ -15,9 +15,9 @@ kernels/dequant.cpp) and each slice multiplied while it is still in cache
 (benchmarks/quant_linear.py measures both). Where the CPU has AMX, an int4 weight's dense
 steps are one C++ call instead (int4_gemm: each 64-row block dequantized into AMX's operand
 order and multiplied by oneDNN's brgemm in place), 1.2-2.9x faster than the slices there
-from 9 rows (AMX_KERNEL_MAX_ROWS) to about 240 (AMX_GEMM_MAX_ROWS). The kernels take bfloat16 activations (float32
-ones take a scalar path 20-60x slower), so a float32 model's activations are rounded to bf16
-around each quantized matmul.
+from 9 rows (AMX_KERNEL_MAX_ROWS) to about 240 (AMX_GEMM_MAX_ROWS). The kernels take
+bfloat16 activations (float32 ones take a scalar path 20-60x slower), so a float32 model's
+activations are rounded to bf16 around each quantized matmul.
 """
 
 from __future__ import annotations

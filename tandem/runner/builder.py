@@ -21,7 +21,7 @@ from tandem.core.model_config import ModelConfig
 from tandem.engine.config import DEFAULT_KV_CACHE_GIB, kv_cache_setting
 from tandem.model.kv_quant import SCALE_BYTES, storage_dtype
 from tandem.model.loader import gguf_file, load_model, resolve_model
-from tandem.model.quant import QuantizedLinear
+from tandem.model.quant import Int4Linear, QuantizedLinear
 from tandem.model.quantize import check_device, keep_bf16_copies, quantize_model
 from tandem.runner.model_runner import ModelRunner
 
@@ -83,10 +83,13 @@ def kernel_rows(model, device: torch.device) -> KernelRows:
     body = [m.kernel_max_rows for m in model.modules()
             if isinstance(m, QuantizedLinear) and m.can_dense and m is not head]  # fmt: skip
     quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
+    amx = any(getattr(m, "amx", False) and m.dense_copy is None for m in model.modules()
+              if isinstance(m, QuantizedLinear) and m is not head)  # fmt: skip
     return KernelRows(
         wide=max(body, default=None),
         head=head.kernel_max_rows if isinstance(head, QuantizedLinear) and head.can_dense else None,
         tile=QuantizedLinear.CPU_ROW_TILE if quantized and device.type == "cpu" else None,
+        gemm=Int4Linear.AMX_GEMM_MAX_ROWS if amx else None,
     )
 
 

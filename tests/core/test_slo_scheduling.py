@@ -96,6 +96,33 @@ def test_fit_recovers_a_kernel_switch_at_a_known_row_count():
     )
 
 
+def test_fit_recovers_the_dense_paths_own_switch_past_gemm_rows():
+    # AMX: past 8 rows dense, 0.2 ms a row dearer up to 240 rows (a fused dequantize and
+    # multiply per block), then the slices: 30 ms more a step, no extra per row
+    kernels = KernelRows(wide=8, gemm=240)
+    true = CostModel((0.004, 0.0001, 0.0002, 2e-6, 5e-7, 0.001, 0.002, 0, 0, 0, 0, 0,
+                      0.0002, 0.030), kernels=kernels)  # fmt: skip
+    rng = random.Random(0)
+    points = []
+    for _ in range(300):
+        n = rng.choice([0, rng.randrange(0, 240), rng.randrange(240, 2048)])
+        shape = StepShape(n, rng.randrange(0 if n else 1, 24), rng.randrange(0, 20_000), n * n)
+        points.append((shape, true.predict(shape) * (1 + rng.uniform(-0.01, 0.01))))
+    fitted = CostModel.fit(points, kernels)
+    for i in (12, 13):
+        assert fitted.coef[i] == pytest.approx(true.coef[i], rel=0.1)
+    error = fitted.mean_abs_error(points)
+    assert error < 0.01  # the points' own noise
+    assert CostModel.fit(points, KernelRows(wide=8)).mean_abs_error(points) > max(0.02, 4 * error)
+    # a dense row costs 0.1 + 0.2 ms up to 240 rows, 0.1 ms past them, after a 30 ms step
+    t = {n: true.predict(StepShape(n)) for n in (100, 101, 240, 241, 242)}
+    assert t[101] - t[100] == pytest.approx(0.0003)
+    assert t[241] - t[240] == pytest.approx(0.0001 + 0.030)
+    assert t[242] - t[241] == pytest.approx(0.0001)
+    # within the kernel's rows no dense term applies
+    assert _features(StepShape(8), kernels)[12:] == (0, 0.0)
+
+
 def test_fit_recovers_the_staircase_of_kernels_that_pass_over_the_weights_per_four_rows():
     # 2 ms a pass of 4 rows over the projections, 1.5 ms a pass of the head over the rows
     # that sample, 6 ms for the head once it turns dense past 10 of them
@@ -192,15 +219,22 @@ def test_cost_model_round_trips_through_a_file(tmp_path):
     seven = {"features": list(FEATURES[:7]), "coef": [0.01, 0.001, 0.002, 1e-6, 2e-6, 0.003, 0.02],
              "wide_rows": 32}  # fmt: skip
     (tmp_path / "seven.json").write_text(json.dumps(seven))
-    assert CostModel.load(tmp_path / "seven.json").coef == (*seven["coef"], *[0.0] * 5)
+    assert CostModel.load(tmp_path / "seven.json").coef == (*seven["coef"], *[0.0] * 7)
     staircase = CostModel((0.01,) * len(FEATURES), kernels=KernelRows(wide=32, head=10, tile=4))
     staircase.save(tmp_path / "staircase.json")
     assert CostModel.load(tmp_path / "staircase.json") == staircase
     # one from before the kernel passes: nine features, read with no cost per pass
     nine = {"features": list(FEATURES[:9]), "coef": [0.01] * 9, "wide_rows": 32}
     (tmp_path / "nine.json").write_text(json.dumps(nine))
-    assert CostModel.load(tmp_path / "nine.json").coef == (*nine["coef"], 0.0, 0.0, 0.0)
-    for bad in ({"row_tile": 0}, {"head_rows": -1}, {"wide_rows": "32"}):
+    assert CostModel.load(tmp_path / "nine.json").coef == (*nine["coef"], *[0.0] * 5)
+    # one from before the dense path's own switch: twelve features, no switch
+    twelve = {"features": list(FEATURES[:12]), "coef": [0.01] * 12, "wide_rows": 32}
+    (tmp_path / "twelve.json").write_text(json.dumps(twelve))
+    assert CostModel.load(tmp_path / "twelve.json").coef == (*twelve["coef"], 0.0, 0.0)
+    amx = CostModel((0.01,) * len(FEATURES), kernels=KernelRows(wide=8, head=4, tile=4, gemm=240))
+    amx.save(tmp_path / "amx.json")
+    assert CostModel.load(tmp_path / "amx.json") == amx
+    for bad in ({"row_tile": 0}, {"head_rows": -1}, {"wide_rows": "32"}, {"gemm_rows": -1}):
         (tmp_path / "bad.json").write_text(json.dumps(staircase.to_dict() | bad))
         with pytest.raises(ValueError, match="cost_model.*rows must be an integer"):
             CostModel.load(tmp_path / "bad.json")

@@ -53,7 +53,9 @@ def _int4_layer(n, k, group, seed=0):
 
 AMX = kernels.dequant() is not None and kernels.dequant().amx()
 # where quantized layers change kernels (see quant.py): with AMX's int4_gemm dense wins sooner
-QUANT_ROWS = KernelRows(wide=8, head=4, tile=4) if AMX else KernelRows(wide=32, head=10, tile=4)
+QUANT_ROWS = (
+    KernelRows(wide=8, head=4, tile=4, gemm=240) if AMX else KernelRows(wide=32, head=10, tile=4)
+)
 
 
 def _close(y, ref):
