@@ -210,8 +210,8 @@ class Int4Linear(QuantizedLinear):
         super().__init__(in_features, out_features, bias)
         self.terms, self.fmt = terms, fmt
         self.padded_rows = terms[0].packed.shape[0]
-        # Where the CPU has AMX, dense steps dequantize and multiply a block at a time in one
-        # C++ call (dequant.cpp's int4_gemm): 1.4-1.7x faster than slices + bf16 matmuls there.
+        # Where the CPU has AMX, dense steps of up to AMX_GEMM_MAX_ROWS rows dequantize and
+        # multiply a block at a time in one C++ call (dequant.cpp's int4_gemm).
         self.amx = self.can_dense and kernels.dequant().amx()
 
     @property

@@ -83,7 +83,7 @@ def kernel_rows(model, device: torch.device) -> KernelRows:
     body = [m.kernel_max_rows for m in model.modules()
             if isinstance(m, QuantizedLinear) and m.can_dense and m is not head]  # fmt: skip
     quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
-    amx = any(getattr(m, "amx", False) and m.dense_copy is None for m in model.modules()
+    amx = any(m.amx and m.dense_copy is None for m in model.modules()
               if isinstance(m, QuantizedLinear) and m is not head)  # fmt: skip
     return KernelRows(
         wide=max(body, default=None),
