@@ -216,33 +216,45 @@ void gemm_terms(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* 
   });
 }
 
-void dequant_int4_t(at::Tensor& out, const std::vector<at::Tensor>& packed,
-                    const std::vector<at::Tensor>& scales_zeros, int64_t group, int64_t row_begin,
-                    int64_t row_end) {
-  TORCH_CHECK(!packed.empty() && packed.size() == scales_zeros.size(), "one scales_zeros a term");
-  const int64_t n = scales_zeros[0].size(1), k = scales_zeros[0].size(0) * group;
-  const int64_t rows = row_end - row_begin;
+// One or two int4 terms of one weight, checked, as the kernels take them.
+struct Terms {
+  int64_t n, k, count;  // W's padded rows, its columns, its terms
+  const uint8_t* ps[2];
+  const at::BFloat16* szs[2];
+};
+
+Terms checked_terms(const std::vector<at::Tensor>& packed,
+                    const std::vector<at::Tensor>& scales_zeros, int64_t group) {
+  TORCH_CHECK(!packed.empty() && packed.size() <= 2 && packed.size() == scales_zeros.size(),
+              "one or two terms, one scales_zeros a term");
+  Terms terms{scales_zeros[0].size(1), scales_zeros[0].size(0) * group,
+              static_cast<int64_t>(packed.size()), {}, {}};
+  const int64_t n = terms.n, k = terms.k;
   for (size_t t = 0; t < packed.size(); ++t) {
-    TORCH_CHECK(packed[t].is_contiguous() && packed[t].scalar_type() == at::kByte, "packed: uint8");
+    TORCH_CHECK(packed[t].is_contiguous() && packed[t].scalar_type() == at::kByte &&
+                    packed[t].numel() == n * k / 2 && n % 64 == 0,
+                "packed: uint8 [n, k / 2], n % 64 == 0");
     TORCH_CHECK(scales_zeros[t].is_contiguous() && scales_zeros[t].scalar_type() == at::kBFloat16 &&
                     scales_zeros[t].size(1) == n && scales_zeros[t].size(0) * group == k,
                 "scales_zeros: contiguous bfloat16 [k / group, n, 2], alike for every term");
-    TORCH_CHECK(n % 64 == 0 && packed[t].numel() == n * k / 2, "packed: [n, k / 2], n % 64 == 0");
+    terms.ps[t] = packed[t].data_ptr<uint8_t>();
+    terms.szs[t] = scales_zeros[t].data_ptr<at::BFloat16>();
   }
-  TORCH_CHECK(row_begin % 64 == 0 && rows % 64 == 0 && 0 <= row_begin && row_end <= n,
+  return terms;
+}
+
+void dequant_int4_t(at::Tensor& out, const std::vector<at::Tensor>& packed,
+                    const std::vector<at::Tensor>& scales_zeros, int64_t group, int64_t row_begin,
+                    int64_t row_end) {
+  const Terms w = checked_terms(packed, scales_zeros, group);
+  const int64_t rows = row_end - row_begin;
+  TORCH_CHECK(row_begin % 64 == 0 && rows % 64 == 0 && 0 <= row_begin && row_end <= w.n,
               "rows: a range of whole 64-row blocks");
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kBFloat16 && out.numel() >= k * rows,
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kBFloat16 && out.numel() >= w.k * rows,
               "out: contiguous bfloat16, room for [k, rows]");
-  TORCH_CHECK(packed.size() <= 2, "at most two terms");
-  const uint8_t* ps[2];
-  const at::BFloat16* szs[2];
-  for (size_t t = 0; t < packed.size(); ++t) {
-    ps[t] = packed[t].data_ptr<uint8_t>();
-    szs[t] = scales_zeros[t].data_ptr<at::BFloat16>();
-  }
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
-  if (packed.size() == 1) dequant_terms<1>(o, ps, szs, n, k, group, row_begin, rows);
-  else dequant_terms<2>(o, ps, szs, n, k, group, row_begin, rows);
+  if (w.count == 1) dequant_terms<1>(o, w.ps, w.szs, w.n, w.k, group, row_begin, rows);
+  else dequant_terms<2>(o, w.ps, w.szs, w.n, w.k, group, row_begin, rows);
 }
 
 void dequant_int8(at::Tensor& out, const at::Tensor& q, const at::Tensor& scales) {
@@ -268,34 +280,18 @@ bool amx() { return at::native::cpublas::could_pack(at::kBFloat16); }
 void int4_gemm(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor>& packed,
                const std::vector<at::Tensor>& scales_zeros, int64_t group) {
   TORCH_CHECK(amx(), "int4_gemm needs AMX (amx() is false on this CPU)");
-  TORCH_CHECK(!packed.empty() && packed.size() <= 2 && packed.size() == scales_zeros.size(),
-              "one or two terms, one scales_zeros a term");
-  const int64_t n = scales_zeros[0].size(1), k = scales_zeros[0].size(0) * group;
-  for (size_t t = 0; t < packed.size(); ++t) {
-    TORCH_CHECK(packed[t].is_contiguous() && packed[t].scalar_type() == at::kByte &&
-                    packed[t].numel() == n * k / 2 && n % 64 == 0,
-                "packed: uint8 [n, k / 2], n % 64 == 0");
-    TORCH_CHECK(scales_zeros[t].is_contiguous() && scales_zeros[t].scalar_type() == at::kBFloat16 &&
-                    scales_zeros[t].size(1) == n && scales_zeros[t].size(0) * group == k,
-                "scales_zeros: contiguous bfloat16 [k / group, n, 2], alike for every term");
-  }
+  const Terms w = checked_terms(packed, scales_zeros, group);
   TORCH_CHECK(group % 2 == 0, "group: even");
-  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == k,
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == w.k,
               "x: contiguous bfloat16 [m, k]");
   const int64_t m = x.size(0), n_out = out.size(1);
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kBFloat16 && out.dim() == 2 &&
-                  out.size(0) == m && n_out <= n,
+                  out.size(0) == m && n_out <= w.n,
               "out: contiguous bfloat16 [m, n_out], n_out <= n");
-  const uint8_t* ps[2];
-  const at::BFloat16* szs[2];
-  for (size_t t = 0; t < packed.size(); ++t) {
-    ps[t] = packed[t].data_ptr<uint8_t>();
-    szs[t] = scales_zeros[t].data_ptr<at::BFloat16>();
-  }
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
-  if (packed.size() == 1) gemm_terms<1>(o, xp, ps, szs, m, n, n_out, k, group);
-  else gemm_terms<2>(o, xp, ps, szs, m, n, n_out, k, group);
+  if (w.count == 1) gemm_terms<1>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group);
+  else gemm_terms<2>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group);
 }
 
 }  // namespace
