@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +35,9 @@ class AttentionGroup:
     scatter_index: (
         torch.Tensor | None
     )  # [tokens] long: flat token -> padded B*Q slot (None: no padding)
+    # each row's query length when every row starts at position 0 (no cached context, so a
+    # row's keys are its own tokens of this step), else None
+    fresh_lens: list[int] | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -87,6 +91,10 @@ class PagedAttention(nn.Module):
         # an 8-bit one too (bf16 on AVX512-BF16 CPUs, kernels/prefill_attention.cpp), when the
         # runner has one
         self.prefill_kernel = None
+        # (q [T, H, D], k, v [T, KVH, D], lens, scale) -> [T, H * D]: causal attention of
+        # chunks that all start at position 0 over their own keys, with no gather and no mask
+        # (causal_sdpa), when the runner has one
+        self.fresh_attend = None
         # [num_blocks, block_size, kv_heads, head_dim] each; bound by the runner.
         self.k_cache = self.v_cache = torch.empty(0)
         # With an 8-bit cache (kv_quant.py): [num_blocks, block_size, kv_heads] float32 scales
@@ -114,12 +122,16 @@ class PagedAttention(nn.Module):
             self.v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
         if meta.on_layer_written is not None:
             meta.on_layer_written(self.layer_index)
-        outs = [self._attend_group(q[g.token_slice], g) for g in meta.groups]
+        outs = [self._attend_group(q, k, v, g) for g in meta.groups]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _attend_group(self, q: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+    def _attend_group(self, q, k, v, g: AttentionGroup) -> torch.Tensor:
         b, qlen = g.shape
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        rows = g.token_slice
+        if g.fresh_lens is not None and self.fresh_attend is not None:
+            return self.fresh_attend(q[rows], k[rows], v[rows], g.fresh_lens, self.scale)
+        q = q[rows]
         if qlen == 1 and self.decode_kernel is not None:
             out = self.decode_kernel(
                 q, self.k_cache, self.v_cache, g.block_tables, g.context_lens, self.scale,
@@ -191,6 +203,32 @@ def sdpa_attention(q, k, v, mask, scale):
         enable_gqa=True,
     )  # [B, H, Q, D]
     return out.transpose(1, 2)
+
+
+def causal_sdpa(q, k, v, lens, scale):
+    """Causal attention of chunks that each start at position 0, over their own keys: SDPA
+    with is_causal, which skips the key blocks past each query block, where a mask makes it
+    compute every pair and mask half away (a 2048-token prompt's layer: 7.3 vs 14.6 ms in
+    bf16, 20 vs 37 in float32 on an AMX Xeon), and needs no gather from the cache. The same
+    results as sdpa_attention with the causal mask, to the bit (the skipped blocks add
+    nothing there).
+
+    q: [T, H, D]; k, v: [T, KVH, D]; lens: each chunk's tokens, in order. Returns [T, H * D].
+    """
+
+    def attend(q, k, v):  # [B, n, heads, D] each
+        out = nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            is_causal=True, scale=scale, enable_gqa=True,
+        )  # fmt: skip
+        return out.transpose(1, 2).reshape(-1, q.shape[2] * q.shape[3])
+
+    if len(set(lens)) == 1:  # one batched call
+        b, n = len(lens), lens[0]
+        return attend(*(x.view(b, n, *x.shape[1:]) for x in (q, k, v)))
+    starts = itertools.accumulate(lens, initial=0)
+    return torch.cat([attend(q[None, s : s + n], k[None, s : s + n], v[None, s : s + n])
+                      for s, n in zip(starts, lens)])  # fmt: skip
 
 
 # A long chunk's queries attend a block of rows at a time, so that their float32 scores (heads

@@ -126,4 +126,5 @@ def _group(token_slice, starts, lens, tables, block_size, device) -> AttentionGr
         context_lens=torch.from_numpy(ctx).to(device),
         query_starts=st,
         scatter_index=None if scatter is None else scatter.to(device),
+        fresh_lens=None if starts.any() else lens.tolist(),
     )

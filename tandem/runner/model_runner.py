@@ -14,7 +14,13 @@ from tandem.core.runner import RunnerOutput
 from tandem.core.scheduler import SchedulerOutput
 from tandem.lora.layers import lora_context
 from tandem.model import kernels
-from tandem.model.attention import amx_sdpa, attention_fn, forward_context, sdpa_attention
+from tandem.model.attention import (
+    amx_sdpa,
+    attention_fn,
+    causal_sdpa,
+    forward_context,
+    sdpa_attention,
+)
 from tandem.model.decode_stack import build_decode_stack
 from tandem.model.kv_quant import storage_dtype
 from tandem.model.layers import use_fused_kernels
@@ -97,6 +103,10 @@ class ModelRunner:
                 attn.k_scale, attn.v_scale = self.kv_scales[i, 0], self.kv_scales[i, 1]
             attn.layer_index = i
             attn.attend, attn.decode_kernel = attend, decode_kernel
+            # chunks with no cached context skip the gather and the mask's masked-away half
+            # where SDPA runs them (an 8-bit cache: read back as the other chunks are)
+            if attend is sdpa_attention and prefill_kernel is None and self.kv_scales is None:
+                attn.fresh_attend = causal_sdpa
         # Decode-only steps of int4 models run their layers in one C++ call (None: no fit).
         model.model.decode_stack = build_decode_stack(model, fused)
         self.sampler = Sampler(seed, device)

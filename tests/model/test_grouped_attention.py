@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from tandem.model import attention
-from tandem.model.attention import _grouped_attention, grouped_attention, sdpa_attention
+from tandem.model.attention import (
+    _grouped_attention,
+    causal_sdpa,
+    grouped_attention,
+    sdpa_attention,
+)
 
 
 def _case(b, q, ctx, dtype, seed=0):
@@ -49,3 +54,27 @@ def test_short_chunks_go_whole(monkeypatch):
     )
     grouped_attention(qt, k, v, mask, 0.2)
     assert seen == [64]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("lens", [[64, 64, 64], [300, 7, 33, 1]])
+def test_fresh_chunks_attend_as_under_the_causal_mask_to_the_bit(dtype, lens):
+    """causal_sdpa (chunks from position 0 over their own keys, is_causal) against the
+    masked path each chunk takes otherwise: keys gathered, a [Q, L] causal mask."""
+    g = torch.Generator().manual_seed(1)
+    t = sum(lens)
+    q = torch.randn(t, 6, 32, generator=g).to(dtype)
+    k, v = (torch.randn(t, 2, 32, generator=g).to(dtype) for _ in range(2))
+    got = causal_sdpa(q, k, v, lens, 0.2)
+    want, at = [], 0
+    for n in lens:
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[None]
+        rows = slice(at, at + n)
+        want.append(sdpa_attention(q[None, rows], k[None, rows], v[None, rows], mask, 0.2))
+        at += n
+    assert got.shape == (t, 6 * 32)
+    assert torch.equal(got, torch.cat(want, dim=1).reshape(t, 6 * 32))
+    # and a chunk does not see the next one's keys: changing them leaves it alone
+    k2 = k.clone()
+    k2[lens[0] :] += 1
+    assert torch.equal(causal_sdpa(q, k2, v, lens, 0.2)[: lens[0]], got[: lens[0]])

@@ -14,7 +14,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.model import kernels
-from tandem.model.attention import amx_sdpa, grouped_attention, sdpa_attention
+from tandem.model.attention import amx_sdpa, causal_sdpa, grouped_attention, sdpa_attention
 from tandem.model.kernels import build
 from tandem.model.kv_quant import dequantize_kv, quantize_kv
 from tests.model.conftest import _built
@@ -163,6 +163,8 @@ def _generate(path: str, path_kind: str, kv_cache_dtype: str = "auto") -> list:
         if path_kind != "kernel":
             grouped = functools.partial(grouped_attention, softmax=softmax)
             layer.attend = sdpa_attention if path_kind == "sdpa" else grouped
+        # SDPA takes fresh chunks through causal_sdpa, as the runner binds it
+        layer.fresh_attend = causal_sdpa if path_kind == "sdpa" else None
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
     prompts = [[5, 17, 42, 99, 7, 3, 250, 11] * 5, [300, 12], [64] * 33, list(range(3, 203))]
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -185,6 +187,8 @@ def test_a_bf16_model_keeps_its_greedy_tokens_with_the_kernel(prefill, checkpoin
 def test_the_runner_binds_it_only_for_bf16_models(prefill, checkpoints):
     llm = LLM(str(checkpoints["llama"]), kv_cache_memory=0.01, dtype="float32")
     assert all(a.prefill_kernel is None for a in llm.engine.runner.model.attention_layers())
+    # float32 chunks take SDPA, fresh ones with is_causal
+    assert all(a.fresh_attend is causal_sdpa for a in llm.engine.runner.model.attention_layers())
     # bf16: the kernel, except on AMX, where torch's SDPA is faster and chunks take it (an
     # 8-bit cache keeps the kernel, which reads it in place)
     for kv in ("auto", "int8"):
@@ -195,6 +199,7 @@ def test_the_runner_binds_it_only_for_bf16_models(prefill, checkpoints):
         sdpa = amx_sdpa() and kv == "auto"
         assert (layer.prefill_kernel is None) == sdpa
         assert (layer.attend is sdpa_attention) == sdpa
+        assert (layer.fresh_attend is causal_sdpa) == sdpa
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -40,6 +40,7 @@ def test_decodes_come_first_then_prefill_chunks_with_positions_and_slots():
     # query i (position 4 + i) sees keys 0 .. 4 + i of 12
     assert chunk.mask[0].int().tolist() == [[1] * (5 + i) + [0] * (7 - i) for i in range(5)]
     assert chunk.scatter_index is None
+    assert single.fresh_lens is None and chunk.fresh_lens is None  # both have context
 
 
 def test_chunks_in_one_bucket_are_padded_and_scattered():
@@ -53,6 +54,7 @@ def test_chunks_in_one_bucket_are_padded_and_scattered():
     assert g.mask[0, 1].tolist() == [True, True, False, False]
     assert g.block_tables.tolist() == [[4], [6]]
     assert x.sample_index.tolist() == [2, 6]
+    assert g.fresh_lens == [3, 4]  # both start at 0: their keys are their own tokens
 
 
 def test_chunks_of_very_different_lengths_get_their_own_groups():
@@ -64,6 +66,8 @@ def test_chunks_of_very_different_lengths_get_their_own_groups():
     x = prepare_inputs(plan, 8, CPU)
     shapes = sorted(g.shape for g in x.attn.groups)
     assert shapes == [(1, 40), (3, 2)]
+    fresh = {g.shape: g.fresh_lens for g in x.attn.groups}
+    assert fresh == {(1, 40): [40], (3, 2): None}
     total = sum(g.token_slice.stop - g.token_slice.start for g in x.attn.groups)
     assert total == x.input_ids.numel() == 46
 
