@@ -8,6 +8,7 @@ import torch
 
 from tandem.model import attention
 from tandem.model.attention import (
+    CAUSAL_LEN_MULTIPLE,
     _grouped_attention,
     causal_sdpa,
     grouped_attention,
@@ -58,9 +59,10 @@ def test_short_chunks_go_whole(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("lens", [[64, 64, 64], [300, 7, 33, 1]])
-def test_fresh_chunks_attend_as_under_the_causal_mask_to_the_bit(dtype, lens):
-    """causal_sdpa (chunks from position 0 over their own keys, is_causal) against the
-    masked path each chunk takes otherwise: keys gathered, a [Q, L] causal mask."""
+def test_fresh_chunks_attend_as_under_the_causal_mask(dtype, lens):
+    """causal_sdpa (chunks from position 0 over their own keys, is_causal, padded to a
+    multiple of 16 rows) against the masked path each chunk takes otherwise: keys gathered,
+    a [Q, L] causal mask. To the bit where no chunk needs padding."""
     g = torch.Generator().manual_seed(1)
     t = sum(lens)
     q = torch.randn(t, 6, 32, generator=g).to(dtype)
@@ -72,8 +74,15 @@ def test_fresh_chunks_attend_as_under_the_causal_mask_to_the_bit(dtype, lens):
         rows = slice(at, at + n)
         want.append(sdpa_attention(q[None, rows], k[None, rows], v[None, rows], mask, 0.2))
         at += n
-    assert got.shape == (t, 6 * 32)
-    assert torch.equal(got, torch.cat(want, dim=1).reshape(t, 6 * 32))
+    want = torch.cat(want, dim=1).reshape(t, 6 * 32)
+    assert got.shape == want.shape
+    if all(n % CAUSAL_LEN_MULTIPLE == 0 for n in lens):
+        assert torch.equal(got, want)
+    else:  # padded to the multiple: the kernel's blocks sum in another order
+        close = (
+            dict(atol=1e-2, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-5)
+        )
+        torch.testing.assert_close(got, want, **close)
     # and a chunk does not see the next one's keys: changing them leaves it alone
     k2 = k.clone()
     k2[lens[0] :] += 1
