@@ -74,17 +74,24 @@ def test_fit_recovers_known_coefficients():
     assert fitted.mean_abs_error(points) < 0.01
 
 
+def _steps_about_a_switch(true: CostModel, prefill_ranges) -> list:
+    """300 steps timed at `true`'s prediction within 1%: prefill tokens none or drawn from one
+    of `prefill_ranges` (on both sides of a kernel switch), under 24 decode rows."""
+    rng = random.Random(0)
+    points = []
+    for _ in range(300):
+        n = rng.choice([0, *(rng.randrange(lo, hi) for lo, hi in prefill_ranges)])
+        shape = StepShape(n, rng.randrange(0 if n else 1, 24), rng.randrange(0, 20_000), n * n)
+        points.append((shape, true.predict(shape) * (1 + rng.uniform(-0.01, 0.01))))
+    return points
+
+
 def test_fit_recovers_a_kernel_switch_at_a_known_row_count():
     # up to 32 rows a steeper per-row cost, past them a fixed 30 ms (quantized weights)
     true = CostModel(
         (0.004, 0.0003, 0.0015, 0.000002, 0.0000005, 0.002, 0.030), kernels=KernelRows(wide=32)
     )
-    rng = random.Random(0)
-    points = []
-    for _ in range(300):
-        n = rng.choice([0, rng.randrange(0, 24), rng.randrange(0, 1024)])
-        shape = StepShape(n, rng.randrange(0 if n else 1, 24), rng.randrange(0, 20_000), n * n)
-        points.append((shape, true.predict(shape) * (1 + rng.uniform(-0.01, 0.01))))
+    points = _steps_about_a_switch(true, [(0, 24), (0, 1024)])
     fitted = CostModel.fit(points, KernelRows(wide=32))
     for got, want in zip(fitted.coef, true.coef):
         assert got == pytest.approx(want, rel=0.1, abs=1e-7)
@@ -102,12 +109,7 @@ def test_fit_recovers_the_dense_paths_own_switch_past_gemm_rows():
     kernels = KernelRows(wide=8, gemm=240)
     true = CostModel((0.004, 0.0001, 0.0002, 2e-6, 5e-7, 0.001, 0.002, 0, 0, 0, 0, 0,
                       0.0002, 0.030), kernels=kernels)  # fmt: skip
-    rng = random.Random(0)
-    points = []
-    for _ in range(300):
-        n = rng.choice([0, rng.randrange(0, 240), rng.randrange(240, 2048)])
-        shape = StepShape(n, rng.randrange(0 if n else 1, 24), rng.randrange(0, 20_000), n * n)
-        points.append((shape, true.predict(shape) * (1 + rng.uniform(-0.01, 0.01))))
+    points = _steps_about_a_switch(true, [(0, 240), (240, 2048)])
     fitted = CostModel.fit(points, kernels)
     for i in (12, 13):
         assert fitted.coef[i] == pytest.approx(true.coef[i], rel=0.1)
