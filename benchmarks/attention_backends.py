@@ -4,7 +4,8 @@ Times one layer of decode (single-token queries) and prefill (one long chunk) fo
 model's head shapes, several ways, and prints each relative to the torch path tandem uses for
 the dtype (attention_fn). Decode also times the C++ kernel, which reads the paged cache in
 place (tandem/model/kernels; TANDEM_NO_CPP_KERNELS=1 leaves it out), and bf16 prefill the
-C++ prefill kernel (causal pairs only, from the paged cache; AVX512-BF16 CPUs).
+C++ prefill kernel (causal pairs only, from the paged cache; AVX512-BF16 CPUs), and prompts
+with no cached context `causal_sdpa` (SDPA with is_causal on the step's own K and V).
 
     python benchmarks/attention_backends.py [--dtype float32|bfloat16]
 """
@@ -21,6 +22,7 @@ from tandem.model import kernels
 from tandem.model.attention import (
     _grouped_attention,
     attention_fn,
+    causal_sdpa,
     grouped_attention,
     sdpa_attention,
 )
@@ -94,6 +96,11 @@ def cases(b, q, ctx, dtype):
         fns["C++ prefill kernel (no gather, causal pairs only)"] = lambda: prefill(
             qt, kc, vc, bt, starts, ends, scale
         )
+    if q > 1 and start == 0:  # a fresh prompt: its keys are this step's own, no gather
+        own_k, own_v = (gather(c).reshape(b * q, KVH, D) for c in (kc, vc))
+        fns["sdpa is_causal on the step's own K/V (causal_sdpa)"] = lambda: causal_sdpa(
+            qt.reshape(b * q, H, D), own_k, own_v, [q] * b, scale
+        ).view(b, q, H, D)
     decode = kernels.paged_decode_attention()
     if q == 1 and decode is not None:
         lens = torch.full((b,), ctx)
