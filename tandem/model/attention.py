@@ -227,8 +227,8 @@ def causal_sdpa(q, k, v, lens, scale):
 
     def attend(q, k, v):  # [B, n, heads, D] each
         b, n, h, d = q.shape
-        pad = (0, 0, 0, 0, 0, -n % CAUSAL_LEN_MULTIPLE)  # zero rows after the last query's
-        q, k, v = (nn.functional.pad(x, pad) for x in (q, k, v))
+        if pad := -n % CAUSAL_LEN_MULTIPLE:  # zero rows after the last query's
+            q, k, v = (nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
         out = nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             is_causal=True, scale=scale, enable_gqa=True,

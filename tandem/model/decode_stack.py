@@ -15,11 +15,12 @@ LoRA replaces the projections, so enabling it drops the stack (ModelRunner.enabl
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
 from tandem.model.attention import decode_only
-from tandem.model.layers import FUSED_ACT_MAX_ROWS, FUSED_ROPE_MAX_ROWS
 from tandem.model.quant import Int4Linear, QuantizedLinear
 
 
@@ -70,7 +71,7 @@ def build_decode_stack(model: nn.Module, fused) -> DecodeStack | None:
     attn, norm = attns[0], inner.norm
     stack = fused.DecodeStack(
         attn.num_heads, attn.num_kv_heads, attn.head_dim, norm.eps, attn.scale, norm.sum_lanes,
-        norm.weight.detach(), FUSED_ACT_MAX_ROWS,
+        norm.weight.detach(),
     )  # fmt: skip
     for layer, a in zip(layers, attns):
         sa, mlp = layer.self_attn, layer.mlp
@@ -79,9 +80,9 @@ def build_decode_stack(model: nn.Module, fused) -> DecodeStack | None:
             *(_terms(p) for p in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)),
             a.k_cache, a.v_cache,
         )  # fmt: skip
-    # past the int4 kernel's rows the layers switch kernels; past the fused RoPE's, torch's
-    rows = {p.kernel_max_rows for p in projections if p.can_dense} | {FUSED_ROPE_MAX_ROWS}
-    return DecodeStack(stack, min(rows))
+    # past the int4 kernel's rows the layers switch kernels (none can: the kernel at any size)
+    rows = [p.kernel_max_rows for p in projections if p.can_dense]
+    return DecodeStack(stack, min(rows, default=sys.maxsize))
 
 
 def _terms(p: QuantizedLinear):

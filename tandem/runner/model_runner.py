@@ -82,7 +82,7 @@ class ModelRunner:
         # (built on first use, ~40 s once; None where it cannot be built), an 8-bit cache too.
         decode_kernel = (
             kernels.paged_decode_attention()
-            if device.type == "cpu" and cfg.head_dim % 8 == 0
+            if device.type == "cpu" and cfg.head_dim % kernels.vec_lanes() == 0
             else None
         )
         # Chunks too, in bf16 on CPUs with AVX512-BF16 (an 8-bit cache too): each query

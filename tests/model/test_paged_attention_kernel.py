@@ -175,3 +175,18 @@ def test_failed_build_falls_back_and_logs(monkeypatch, caplog):
         assert build._load.__wrapped__() is None
     assert [r.levelno for r in caplog.records] == [logging.INFO]
     assert "Error building extension" in caplog.text and "long compiler" not in caplog.text
+
+
+def test_kernel_takes_head_dims_that_are_multiples_of_its_vector_width_only(kernel):
+    """The kernels build at torch's vector width here (16 floats on AVX-512, else 8); the
+    runner binds the decode kernel only where head_dim is a multiple of it."""
+    lanes = kernels.vec_lanes()
+    assert lanes == (16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8)
+    q, kc, vc, tables, ctx = paged_case([5, 9], 4, 2, 2, lanes)
+    torch.testing.assert_close(
+        kernel(q, kc, vc, tables, ctx, 0.5), torch_path(q, kc, vc, tables, ctx, 0.5),
+        atol=1e-5, rtol=0,
+    )  # fmt: skip
+    q, kc, vc, tables, ctx = paged_case([5, 9], 4, 2, 2, lanes + 4)
+    with pytest.raises(RuntimeError, match="multiple of"):
+        kernel(q, kc, vc, tables, ctx, 0.5)

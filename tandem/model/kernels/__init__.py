@@ -8,6 +8,14 @@ from tandem.model.kernels.build import (
     lora_bgmv,
     paged_decode_attention,
     prefill_attention,
+    vec_lanes,
 )
 
-__all__ = ["dequant", "fused", "lora_bgmv", "paged_decode_attention", "prefill_attention"]
+__all__ = [
+    "dequant",
+    "fused",
+    "lora_bgmv",
+    "paged_decode_attention",
+    "prefill_attention",
+    "vec_lanes",
+]

@@ -13,9 +13,9 @@
 // are never read. Everything accumulates in float32; bf16 and fp16 are widened on load, and
 // an 8-bit cache's int8 or e4m3 values too, its per-slot scales applied to scores and weights.
 //
-// Vectorized with at::vec::Vectorized<float> (8 lanes under CPU_CAPABILITY_AVX2, which the
-// loader defines on CPUs with AVX2 + FMA; a portable fallback otherwise). head_dim must be a
-// multiple of 8.
+// Vectorized with at::vec::Vectorized<float> at the width the loader builds for (16 lanes
+// under CPU_CAPABILITY_AVX512, 8 under AVX2, as torch's own kernels run here; a portable
+// fallback otherwise). head_dim must be a multiple of the lanes (build.py: vec_lanes).
 
 // Narrow includes: <torch/extension.h> alone costs ~40 s of compile time.
 #include <ATen/Parallel.h>
