@@ -9,7 +9,9 @@ with the same kernels as model/llama.py, so its output equals the Python path's 
 It runs only where it computes exactly what the Python layers would: every projection int4
 (a GGUF's own blocks or --quantization int4), the fused kernels and the decode-attention
 kernel bound, a KV cache in the compute dtype, and, per step, only single-token rows, no more
-than the int4 kernel's row limit, with no per-layer hook (a prefill instance's KV sender).
+than the int4 kernel's row limit (or, where the CPU has AMX, int4_gemm's: 240), with no
+per-layer hook (a prefill instance's KV sender). At 16 running requests on an AMX Xeon a
+decode step of the default model takes ~3 ms less through it (of ~34).
 LoRA replaces the projections, so enabling it drops the stack (ModelRunner.enable_lora).
 """
 
@@ -21,7 +23,7 @@ import torch
 from torch import nn
 
 from tandem.model.attention import decode_only
-from tandem.model.quant import Int4Linear, QuantizedLinear
+from tandem.model.quant import Int4Linear
 
 
 class DecodeStack:
@@ -80,17 +82,29 @@ def build_decode_stack(model: nn.Module, fused) -> DecodeStack | None:
             *(_terms(p) for p in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)),
             a.k_cache, a.v_cache,
         )  # fmt: skip
-    # past the int4 kernel's rows the layers switch kernels (none can: the kernel at any size)
-    rows = [p.kernel_max_rows for p in projections if p.can_dense]
-    return DecodeStack(stack, min(rows, default=sys.maxsize))
+    return DecodeStack(stack, min(_max_rows(p) for p in projections))
 
 
-def _terms(p: QuantizedLinear):
+def _gemm(p: Int4Linear) -> bool:
+    """Whether the layer's steps past its kernel's rows go through int4_gemm (AMX)."""
+    return p.can_dense and p.amx and p.dense_copy is None
+
+
+def _max_rows(p: Int4Linear) -> int:
+    """Rows up to which the stack computes this projection as the layer would: past its
+    kernel's rows, int4_gemm's (AMX); past those, the layer's slices, which the stack lacks."""
+    if _gemm(p):
+        return p.AMX_GEMM_MAX_ROWS
+    return p.kernel_max_rows if p.can_dense else sys.maxsize  # no dense path: the kernel
+
+
+def _terms(p: Int4Linear):
     bias = None if p.bias is None else p.bias.detach()
     return (
         [t.packed for t in p.terms],
         [t.scales_zeros for t in p.terms],
         p.terms[0].group,
         p.out_features,
+        p.kernel_max_rows if _gemm(p) else sys.maxsize,  # past it: int4_gemm
         bias,
     )

@@ -20,7 +20,7 @@ from tandem.model.layers import (
     torch_sum_lanes,
     use_fused_kernels,
 )
-from tandem.model.quant import QuantizedLinear
+from tandem.model.quant import Int4Linear, QuantizedLinear
 
 DTYPES = [torch.float32, torch.bfloat16]
 ROWS = [1, 7, 64, 300]
@@ -285,10 +285,9 @@ def test_the_decode_stack_runs_decode_steps_with_the_python_layers_exact_output(
     assert with_stack == without
 
 
-def test_the_decode_stack_runs_steps_of_twenty_rows_exactly(fused, checkpoints, monkeypatch):  # fmt: skip
-    """Many rows a step: the stack's kernels split their rows among threads as the Python
-    layers' do. (The int4 kernel's limit raised past those rows, where AMX lowers it.)"""
-    monkeypatch.setattr(QuantizedLinear, "AMX_KERNEL_MAX_ROWS", QuantizedLinear.KERNEL_MAX_ROWS)
+def test_the_decode_stack_runs_steps_of_twenty_rows_exactly(fused, checkpoints):
+    """Past the int4 kernel's rows where the CPU has AMX (8): the stack's projections switch
+    to int4_gemm as the layers do; elsewhere the kernel's limit (32) covers them."""
     prompts = [[7 + i, 40 + i, 99, 3 * i + 1] for i in range(20)]
     with_stack, ran = _int4_generate(str(checkpoints["llama"]), "bfloat16", True, prompts)
     without, _ = _int4_generate(str(checkpoints["llama"]), "bfloat16", False, prompts)
@@ -296,10 +295,12 @@ def test_the_decode_stack_runs_steps_of_twenty_rows_exactly(fused, checkpoints, 
 
 
 def test_the_decode_stack_leaves_steps_past_the_int4_kernels_row_limit_to_the_layers(fused, checkpoints, monkeypatch):  # fmt: skip
-    """Past KERNEL_MAX_ROWS the int4 layers dequantize for dense matmuls; the stack only
-    has the int4 kernel, so it must not run those steps (3 rows here, limit 2)."""
+    """Past the int4 kernel's rows (and, on AMX, int4_gemm's) the int4 layers dequantize into
+    slices for dense matmuls, which the stack lacks: it must not run those steps (3 rows
+    here, limits 2)."""
     monkeypatch.setattr(QuantizedLinear, "KERNEL_MAX_ROWS", 2)
     monkeypatch.setattr(QuantizedLinear, "AMX_KERNEL_MAX_ROWS", 2)
+    monkeypatch.setattr(Int4Linear, "AMX_GEMM_MAX_ROWS", 2)  # no int4_gemm either
     with_stack, ran = _int4_generate(str(checkpoints["llama"]), "float32", stack=True)
     without, _ = _int4_generate(str(checkpoints["llama"]), "float32", stack=False)
     assert with_stack == without

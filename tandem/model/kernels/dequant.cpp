@@ -296,9 +296,11 @@ void int4_gemm(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tenso
 
 }  // namespace
 
+#ifndef TANDEM_DEQUANT_NO_MODULE  // fused.cpp includes this file for its decode stack
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_int4_t", &dequant_int4_t, "int4 (torch CPU layout) -> W^T bfloat16, into out");
   m.def("dequant_int8", &dequant_int8, "int8 per-row -> W bfloat16, into out");
   m.def("amx", &amx, "whether int4_gemm runs here (AMX)");
   m.def("int4_gemm", &int4_gemm, "x W^T for int4 (torch CPU layout) W, into out: AMX only");
 }
+#endif

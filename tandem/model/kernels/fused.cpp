@@ -25,15 +25,19 @@
 // projections are int4 (a GGUF's own blocks, or --quantization int4). Python's cost per op
 // (module calls, attribute lookups, argument parsing) is ~1.5-2 ms of a 7 ms batch-1 step;
 // a GPU engine removes it with CUDA graphs, which CPUs do not have. It makes the same calls
-// in the same order as model/llama.py with these kernels bound (torch's int4 matmul, the ops
-// above, paged_attention.cpp's decode kernel), so its output is the Python path's to the bit
-// (tests/model/test_fused_kernels.py).
+// in the same order as model/llama.py with these kernels bound (torch's int4 matmul or, past
+// its rows on AMX, dequant.cpp's int4_gemm; the ops above; paged_attention.cpp's decode
+// kernel), so its output is the Python path's to the bit (tests/model/test_fused_kernels.py).
 
 // The decode kernel, for DecodeStack; before the pragma below, so it compiles as in its own
 // module.
 #define TANDEM_PAGED_ATTENTION_NO_MODULE
 #include "paged_attention.cpp"
 #undef TANDEM_PAGED_ATTENTION_NO_MODULE
+// ... and the AMX int4 matmul (int4_gemm), for steps past torch's int4 kernel's rows.
+#define TANDEM_DEQUANT_NO_MODULE
+#include "dequant.cpp"
+#undef TANDEM_DEQUANT_NO_MODULE
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
@@ -405,18 +409,25 @@ void masked_softmax_(at::Tensor& scores, const at::Tensor& mask, double scale) {
   });
 }
 
-// One int4 projection as model/quant.py's Int4Linear computes it: the sum of its terms'
-// matmuls on bf16 activations, cut to its output width, cast back, plus its bias.
+// One int4 projection as model/quant.py's Int4Linear computes it: up to kernel_max_rows rows
+// the sum of its terms' torch int4 matmuls, cut to its output width; past them (where the
+// CPU has AMX) int4_gemm; on bf16 activations, cast back, plus its bias.
 struct Int4Projection {
   std::vector<at::Tensor> packed, scales_zeros;  // one per term (GGUF's Q8_0 has two)
-  int64_t group = 0, out_features = 0;
+  int64_t group = 0, out_features = 0, kernel_max_rows = 0;
   std::optional<at::Tensor> bias;
 
   at::Tensor operator()(const at::Tensor& x) const {
     const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
-    at::Tensor y = at::_weight_int4pack_mm_for_cpu(xb, packed[0], group, scales_zeros[0]);
-    for (size_t t = 1; t < packed.size(); ++t)
-      y.add_(at::_weight_int4pack_mm_for_cpu(xb, packed[t], group, scales_zeros[t]));
+    at::Tensor y;
+    if (xb.size(0) > kernel_max_rows) {
+      y = at::empty({xb.size(0), out_features}, xb.options());
+      int4_gemm(y, xb.contiguous(), packed, scales_zeros, group);
+    } else {
+      y = at::_weight_int4pack_mm_for_cpu(xb, packed[0], group, scales_zeros[0]);
+      for (size_t t = 1; t < packed.size(); ++t)
+        y.add_(at::_weight_int4pack_mm_for_cpu(xb, packed[t], group, scales_zeros[t]));
+    }
     if (y.size(1) != out_features) y = y.narrow(1, 0, out_features);
     if (y.scalar_type() != x.scalar_type()) y = y.to(x.scalar_type());
     if (bias) y = at::add(y, *bias);
@@ -437,14 +448,15 @@ class DecodeStack {
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
         lanes_(sum_lanes), final_norm_(std::move(final_norm)) {}
 
-  // Each projection: (packed terms, scales_zeros terms, group, out_features, bias or None).
+  // Each projection: (packed terms, scales_zeros terms, group, out_features, kernel_max_rows,
+  // bias or None).
   using Proj = std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t,
-                          std::optional<at::Tensor>>;
+                          int64_t, std::optional<at::Tensor>>;
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, const Proj& qkv, const Proj& o,
                  const Proj& gate_up, const Proj& down, at::Tensor k_cache, at::Tensor v_cache) {
     auto proj = [](const Proj& p) {
       return Int4Projection{std::get<0>(p), std::get<1>(p), std::get<2>(p), std::get<3>(p),
-                            std::get<4>(p)};
+                            std::get<4>(p), std::get<5>(p)};
     };
     layers_.push_back({std::move(input_norm), std::move(post_norm), proj(qkv), proj(o),
                        proj(gate_up), proj(down), std::move(k_cache), std::move(v_cache)});
