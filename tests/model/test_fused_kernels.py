@@ -48,11 +48,12 @@ def test_rms_norm_equals_the_torch_path_bit_for_bit(fused, dtype, rows, hidden):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
-def test_add_rms_norm_adds_into_the_residual_in_place_and_norms_the_sum(fused, dtype, rows):
-    x, residual = _randn(rows, 576, dtype=dtype), _randn(rows, 576, dtype=dtype, seed=2)
-    want_normed, want_sum = _norm(576, dtype)(x, residual.clone())
+@pytest.mark.parametrize("hidden", [576, 100])  # 100: no whole number of bf16 vectors
+def test_add_rms_norm_adds_into_the_residual_in_place_and_norms_the_sum(fused, dtype, rows, hidden):  # fmt: skip
+    x, residual = _randn(rows, hidden, dtype=dtype), _randn(rows, hidden, dtype=dtype, seed=2)
+    want_normed, want_sum = _norm(hidden, dtype)(x, residual.clone())
     stream = residual.clone()
-    normed, returned = _norm(576, dtype, fused)(x, stream)
+    normed, returned = _norm(hidden, dtype, fused)(x, stream)
     assert (
         returned is stream and torch.equal(stream, want_sum) and torch.equal(stream, x + residual)
     )
@@ -85,9 +86,10 @@ def test_apply_rope_with_the_kernel_rotates_in_place_at_any_row_count(fused, row
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
-def test_silu_and_mul_equals_the_torch_path_on_a_padded_projection_output(fused, dtype, rows):
-    padded = _randn(rows, 2 * 1536 + 64, dtype=dtype)  # as a quantized layer's [:, :out] view
-    x = padded[:, : 2 * 1536]
+@pytest.mark.parametrize("inter", [1536, 100])  # 100: no whole number of bf16 vectors
+def test_silu_and_mul_equals_the_torch_path_on_a_padded_projection_output(fused, dtype, rows, inter):  # fmt: skip
+    padded = _randn(rows, 2 * inter + 64, dtype=dtype)  # as a quantized layer's [:, :out] view
+    x = padded[:, : 2 * inter]
     want = SiluAndMul()(x)
     assert torch.equal(fused.silu_and_mul(x), want)
     act = SiluAndMul()
