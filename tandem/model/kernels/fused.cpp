@@ -401,9 +401,9 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
   const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
-  // in parallel past a few hundred rows: a prompt's rows land on cache lines no core holds
-  // (2,048 rows of the default model: 0.72 ms a layer on one thread)
-  for_rows(rows, 2 * row * k.element_size(), [&](int64_t begin, int64_t end) {
+  // in parallel past for_rows' grain (85 rows of the default model): a prompt's rows land on
+  // cache lines no core holds (2,048 rows of the default model: 0.72 ms a layer on one thread)
+  for_rows(rows, 2 * row, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       std::memcpy(kc + slot[t] * bytes, kp + t * ks, bytes);
       std::memcpy(vc + slot[t] * bytes, vp + t * vs, bytes);
