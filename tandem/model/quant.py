@@ -6,6 +6,10 @@
   signed byte) is two such terms, q = 16*hi + lo: (hi + 8, scale 16d, zero 0) + (lo, scale d,
   zero 8d); so a GGUF's weights are repacked, never requantized (see gguf_quant.py).
 - int8, per output row: w = q * scale (`_weight_int8pack_mm`), quantized at load.
+- On CUDA (CudaInt4Linear), the same int4 terms repacked for torch's CUDA kernel
+  (`_weight_int4pack_mm`, tinygemm), which takes the same scales and zeros, for few rows,
+  and dequantized to bf16 by torch ops for many; int8 is always dequantized there (torch's
+  CUDA int8 kernel is slower than that at every size). The C++ dense paths are the CPU's.
 
 Which path runs depends on the rows in the step. torch's kernels dequantize per input row:
 at one row they are about 5x faster than a bf16 matmul on this project's whole weights (which
@@ -48,6 +52,9 @@ class Int4Term:
     packed: torch.Tensor  # uint8 [rows, K / 2], rows padded to 64 (torch's CPU layout)
     scales_zeros: torch.Tensor  # bfloat16 [K / group, rows, 2]
     group: int
+    # CUDA (cuda_term): the integers two a byte, [rows, K / 2], even column high, which the
+    # dense path dequantizes (tinygemm's layout is opaque); None on the CPU
+    plain: torch.Tensor | None = None
 
 
 def int4_term(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Int4Term:
@@ -110,14 +117,22 @@ class QuantizedLinear(nn.Module, ABC):
     # int4 and int8 kernels): each pass dequantizes every weight again, so 5 rows cost about
     # as much as 8 (one 1536x576 Q4_1 projection: 26 us at 4 rows, 49 at 5).
     CPU_ROW_TILE = 4
+    # On CUDA: whether a step past CUDA_KERNEL_MAX_ROWS rows dequantizes W to bf16 for one
+    # matmul (the subclasses that run there can; they set where, as measured there)
+    CUDA_DENSE = False
+    CUDA_KERNEL_MAX_ROWS = 0
     fmt: str  # e.g. "int4 (group 32)", "Q4_1", for logs and /v1/models
     padded_rows: int  # output rows as stored (int4 packs blocks of 64)
 
-    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: torch.Tensor | None, cpu: bool = True
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.can_dense = kernels.dequant() is not None  # else torch's kernels for every size
+        self.on_cuda = not cpu
+        # else torch's kernels for every size
+        self.can_dense = self.CUDA_DENSE if self.on_cuda else kernels.dequant() is not None
         self.dense_copy: PackedLinear | None = None  # keep_dense_copy's bf16 weight
         self.amx = False  # dense steps through int4_gemm (Int4Linear, where the CPU has AMX)
 
@@ -143,6 +158,8 @@ class QuantizedLinear(nn.Module, ABC):
         """Rows up to which this layer runs torch's kernel (then dequantize + dense)."""
         if self.dense_copy is not None:
             return self.COPY_KERNEL_MAX_ROWS
+        if self.on_cuda:
+            return self.CUDA_KERNEL_MAX_ROWS
         return self.AMX_KERNEL_MAX_ROWS if self.amx else self.KERNEL_MAX_ROWS
 
     def keep_dense_copy(self) -> None:
@@ -154,7 +171,10 @@ class QuantizedLinear(nn.Module, ABC):
         self.fmt += " + bf16 copy"
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T through bf16 matmuls, its rows padded to a multiple of DENSE_ROW_BUCKET."""
+        """x @ W^T through bf16 matmuls, its rows padded to a multiple of DENSE_ROW_BUCKET
+        (on CUDA: one matmul, W dequantized whole)."""
+        if self.on_cuda:
+            return x @ self.dequant_t(0, self.out_features)
         m = x.shape[0]
         pad = -m % DENSE_ROW_BUCKET
         if not pad:
@@ -213,12 +233,12 @@ class Int4Linear(QuantizedLinear):
     AMX_GEMM_MAX_ROWS = 240
 
     def __init__(self, in_features, out_features, terms: list[Int4Term], fmt: str, bias=None):
-        super().__init__(in_features, out_features, bias)
+        super().__init__(in_features, out_features, bias, terms[0].packed.device.type == "cpu")
         self.terms, self.fmt = terms, fmt
-        self.padded_rows = terms[0].packed.shape[0]
+        self.padded_rows = terms[0].scales_zeros.shape[1]
         # Where the CPU has AMX, dense steps of up to AMX_GEMM_MAX_ROWS rows dequantize and
         # multiply a block at a time in one C++ call (dequant.cpp's int4_gemm).
-        self.amx = self.can_dense and kernels.dequant().amx()
+        self.amx = self.can_dense and not self.on_cuda and kernels.dequant().amx()
 
     @property
     def kernel_max_rows(self) -> int:
@@ -266,9 +286,95 @@ class Int4Linear(QuantizedLinear):
         return out
 
 
+class CudaInt4Linear(Int4Linear):
+    """Int4Linear on a CUDA device: the terms in tinygemm's layout for its kernel (few rows:
+    it reads 4 bits a weight) and, two a byte, for dequantizing to bf16 for one matmul
+    (many rows: tinygemm is 27x slower than bf16 at 2,048 rows on an H200). One byte a
+    weight in all, half of bf16."""
+
+    CUDA_DENSE = True
+    # tinygemm against dequantize + matmul (torch ops) over Llama-3.2-1B's projections on an
+    # H200: 0.67 vs 13.1 ms at 1 row (bf16 0.93), 4.8 vs 13.2 at 64, 9.2 vs 13.2 at 128, 18.0
+    # vs 13.4 at 256, 139 vs 17.9 at 2,048 (`python benchmarks/cuda_throughput.py --layers`)
+    CUDA_KERNEL_MAX_ROWS = 128
+
+    @property
+    def kernel_max_rows(self) -> int:
+        return self.CUDA_KERNEL_MAX_ROWS
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        mm = torch.ops.aten._weight_int4pack_mm
+        first, *rest = self.terms
+        y = mm(x, first.packed, first.group, first.scales_zeros)
+        for t in rest:
+            y.add_(mm(x, t.packed, t.group, t.scales_zeros))
+        return y
+
+    def weights(self, rows) -> torch.Tensor:
+        """W[rows] in bf16 (rows: a slice or ids): (q - 8) * scale + zero, term by term."""
+        out = None
+        for t in self.terms:
+            pairs = t.plain[rows]
+            n, k, g = pairs.shape[0], self.in_features, t.group
+            q = torch.stack([pairs >> 4, pairs & 15], -1).view(n, k // g, g).to(torch.bfloat16)
+            scale, zero = (t.scales_zeros[:, rows, i].t()[..., None] for i in (0, 1))
+            w = ((q - 8) * scale + zero).view(n, k)
+            out = w if out is None else out + w
+        return out
+
+    def dequant_t(self, n0: int, n1: int) -> torch.Tensor:
+        return self.weights(slice(n0, n1)).t()
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weights(slice(0, self.out_features)).float()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weights(ids.to(self.terms[0].plain.device)).float()
+
+
+def unpack_cpu_q(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """The integers [rows, K] behind torch's CPU int4 layout (as Int4Linear.rows reads it):
+    each block of 64 rows is K x 32 bytes, row j of the block in the low nibbles and row
+    32 + j in the high ones."""
+    byte = packed.view(-1, k, 32)
+    q = torch.stack([byte & 15, byte >> 4], 1)  # [blocks, 2, K, 32]
+    return q.transpose(2, 3).reshape(-1, k)
+
+
+def cuda_term(term: Int4Term, k: int, device: torch.device) -> Int4Term:
+    """A CPU-layout term repacked for torch's CUDA int4 kernel, on `device`: two integers a
+    byte along K (even column high), then `_convert_weight_to_int4pack`'s tiling, which needs
+    K a multiple of 16 x its inner k-tiles (2, 4 or 8)."""
+    tiles = next((t for t in (8, 4, 2) if k % (16 * t) == 0), None)
+    if tiles is None:
+        raise ValueError(f"CUDA's int4 kernel needs input features a multiple of 32, got {k}")
+    q = unpack_cpu_q(term.packed, k).to(device)
+    pairs = (q[:, ::2] << 4 | q[:, 1::2]).contiguous()
+    packed = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
+    return Int4Term(packed, term.scales_zeros.to(device), term.group, pairs)
+
+
+def int4_linear(in_features, out_features, terms, fmt, bias, device) -> Int4Linear:
+    """An int4 layer of CPU-layout terms, for `device`: repacked for CUDA's kernel there."""
+    if device.type == "cpu":
+        return Int4Linear(in_features, out_features, terms, fmt, bias)
+    if device.type != "cuda":
+        raise ValueError(f"int4 weights run on the CPU or CUDA, not {device.type}")
+    terms = [cuda_term(t, in_features, device) for t in terms]
+    bias = None if bias is None else bias.to(device)
+    return CudaInt4Linear(in_features, out_features, terms, fmt, bias)
+
+
 class Int8Linear(QuantizedLinear):
+    # On CUDA always dequantize + matmul: torch's CUDA int8 kernel took 10 ms for Llama-3.2-1B's
+    # projections at 1 row where that takes 6 (bf16: 0.9-1.6), and 38 vs 6 at 16, 4316 vs 10 at
+    # 2,048 (an H200, `python benchmarks/cuda_throughput.py --layers`): int8 there saves
+    # memory, not time.
+    CUDA_DENSE = True
+    CUDA_KERNEL_MAX_ROWS = 0
+
     def __init__(self, in_features, out_features, q: torch.Tensor, scale: torch.Tensor, bias=None):
-        super().__init__(in_features, out_features, bias)
+        super().__init__(in_features, out_features, bias, q.device.type == "cpu")
         self.q, self.scale = q.contiguous(), scale.to(torch.bfloat16).contiguous()
         self.fmt, self.padded_rows = "int8 (per channel)", out_features
 
@@ -276,6 +382,8 @@ class Int8Linear(QuantizedLinear):
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
 
     def dequant_t(self, n0: int, n1: int) -> torch.Tensor:
+        if self.on_cuda:
+            return (self.q[n0:n1].to(torch.bfloat16) * self.scale[n0:n1, None]).t()
         k, size = self.in_features, self.in_features * (n1 - n0)
         out = _scratch(size)
         kernels.dequant().dequant_int8(out, self.q[n0:n1], self.scale[n0:n1])

@@ -19,11 +19,11 @@ from torch import nn
 from tandem.model.gguf_quant import BLOCK_BYTES, tensor_terms
 from tandem.model.packed_linear import packing_available
 from tandem.model.quant import (
-    Int4Linear,
     Int4Term,
     Int8Linear,
     QuantizedEmbedding,
     QuantizedLinear,
+    int4_linear,
     int4_term,
     quantize_int4,
     quantize_int8,
@@ -61,6 +61,7 @@ def _return_freed_memory() -> None:
 
 
 def _from_float(model, method: str, group: int) -> str:
+    device = model.lm_head.weight.device
 
     def make(name: str, linear: nn.Linear):
         w, k = linear.weight.detach(), linear.in_features
@@ -71,8 +72,8 @@ def _from_float(model, method: str, group: int) -> str:
                 f"quantization_group_size {group} does not divide the {k} input features of "
                 f"{name}; use one that divides it"
             )
-        term = int4_term(*quantize_int4(w, group))
-        return Int4Linear(k, linear.out_features, [term], f"int4 (group {group})", linear.bias)
+        term = int4_term(*(t.cpu() for t in quantize_int4(w, group)))
+        return int4_linear(k, linear.out_features, [term], f"int4 (group {group})", linear.bias, device)  # fmt: skip
 
     for i, layer in enumerate(model.model.layers):
         for parent, attr in _projections(layer):
@@ -81,7 +82,8 @@ def _from_float(model, method: str, group: int) -> str:
     # way, as llama.cpp keeps a 4-bit model's output tensor in 6 or 8 bits: in 4 bits, or in
     # per-channel int8, it alone moved the default model's greedy output within a few tokens.
     lm = model.lm_head
-    head = Int4Linear(lm.in_features, lm.out_features, [int4_term(*t) for t in quantize_int8_groups(lm.weight.detach(), 32)], "int8 (group 32)", lm.bias)  # fmt: skip
+    terms = [int4_term(*(t.cpu() for t in ts)) for ts in quantize_int8_groups(lm.weight.detach(), 32)]  # fmt: skip
+    head = int4_linear(lm.in_features, lm.out_features, terms, "int8 (group 32)", lm.bias, device)
     tied = model.config.tie_word_embeddings
     _swap_head(model, head, head if tied else None)
     fmt = model.model.layers[0].mlp.down_proj.fmt
@@ -91,7 +93,9 @@ def _from_float(model, method: str, group: int) -> str:
 def _from_gguf(model, path: Path | None) -> str:
     if path is None:
         raise ValueError("quantization: gguf needs a .gguf model (it runs on the file's blocks)")
-    built = {name: Int4Linear(*spec) for name, spec in _gguf_layers(model.config, path).items()}
+    device = model.lm_head.weight.device
+    specs = _gguf_layers(model.config, path).items()
+    built = {name: int4_linear(*spec, None, device) for name, spec in specs}
     formats: Counter = Counter()
     for i, layer in enumerate(model.model.layers):
         for parent, attr in _projections(layer):
@@ -218,8 +222,12 @@ def keep_bf16_copies(model) -> int:
 
 
 def check_device(method: str, device: torch.device) -> None:
-    if method != "none" and device.type != "cpu":
+    """Quantized weights run on the CPU (torch's weight-only kernels and the C++ dense paths)
+    or on CUDA (torch's int4 kernel, tinygemm, for few rows, and bf16 matmuls on weights
+    dequantized by torch ops); refused elsewhere, before anything loads, rather than
+    computed some other way."""
+    if method != "none" and device.type not in ("cpu", "cuda"):
         raise ValueError(
-            f"quantization {method!r} runs on torch's CPU int4/int8 kernels; on {device.type} "
+            f"quantization {method!r} runs on the CPU or CUDA, not {device.type}; "
             "use --quantization none (the float weights)"
         )

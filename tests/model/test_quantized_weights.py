@@ -23,13 +23,16 @@ from tandem.engine.config import EngineConfig
 from tandem.model import kernels
 from tandem.model.gguf_quant import tensor_terms
 from tandem.model.quant import (
+    CudaInt4Linear,
     Int4Linear,
     Int8Linear,
     QuantizedLinear,
+    int4_linear,
     int4_term,
     quantize_int4,
     quantize_int8,
     quantize_int8_groups,
+    unpack_cpu_q,
 )
 from tandem.model.quantize import check_device
 from tandem.runner.builder import kernel_rows, quantization_method
@@ -60,6 +63,10 @@ QUANT_ROWS = (
 
 def _close(y, ref):
     return (y.float() - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
+
+
+# every device this machine has: a CUDA one runs the int4 terms on torch's CUDA kernel
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("rows", [1, 7, QuantizedLinear.KERNEL_MAX_ROWS, 33, 300])
@@ -152,6 +159,57 @@ def test_gguf_blocks_become_int4_terms_with_the_same_numbers(kind):
     for rows in (1, 300):
         x = torch.randn(rows, ref.shape[1], generator=torch.Generator().manual_seed(rows))
         assert _close(layer(x.bfloat16()), x @ layer.dequantize().float().T)
+
+
+def test_the_cpu_layout_unpacks_to_the_integers_it_packed():
+    q = torch.randint(0, 16, (100, 96), generator=torch.Generator().manual_seed(0))
+    scale, zero = torch.rand(100, 3), torch.rand(100, 3)
+    unpacked = unpack_cpu_q(int4_term(q, scale, zero).packed, 96)
+    assert unpacked.shape == (128, 96)  # padded to the layout's 64-row blocks
+    assert torch.equal(unpacked[:100].long(), q) and not unpacked[100:].any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["int4", "Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+def test_int4_terms_compute_the_same_weights_on_every_device(device, kind):
+    """The terms a CPU layer holds, put on each device (on CUDA repacked for tinygemm): the
+    same weights, up to bf16 rounding, on the kernel's rows and the dense path's."""
+    if kind == "int4":
+        w = torch.randn(100, 256, generator=torch.Generator().manual_seed(1)) * 0.05
+        terms = [int4_term(*quantize_int4(w, 64))]
+    else:
+        tensor = (
+            _random_k_blocks(kind, 100, 256)
+            if kind.endswith("_K")
+            else _fake_tensor(
+                kind, np.random.default_rng(0).standard_normal((100, 256)).astype(np.float32)
+            )  # fmt: skip
+        )
+        terms = [int4_term(*t) for t in tensor_terms(tensor)]
+    ref = Int4Linear(256, 100, terms, kind).dequantize()
+    layer = int4_linear(256, 100, terms, kind, None, torch.device(device))
+    assert isinstance(layer, CudaInt4Linear) == (device == "cuda")
+    assert (layer.dequantize().cpu() - ref).abs().max() <= 2**-7 * ref.abs().max()
+    ids = torch.tensor([0, 63, 64, 99, 5, 5])  # an embedding's lookup in the same weights
+    assert torch.equal(layer.rows(ids.to(device)).cpu(), layer.dequantize().cpu()[ids])
+    for rows in (1, 7, 65, 300):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+        y = layer(x.bfloat16().to(device))
+        assert y.shape == (rows, 100) and y.device.type == device
+        assert _close(y.cpu(), x @ ref.t())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_int8_layers_compute_their_weights_on_every_device_at_any_rows(device):
+    """torch's int8 kernel up to the device's kernel rows, dequantize + matmul past them."""
+    w = torch.randn(200, 96, generator=torch.Generator().manual_seed(2)) * 0.05
+    layer = Int8Linear(96, 200, *(t.to(device) for t in quantize_int8(w)))
+    ref = layer.dequantize().cpu()
+    assert (ref - w).abs().max() <= w.abs().amax(1).max() / 127
+    edge = layer.kernel_max_rows  # 0 on CUDA: no rows take its kernel there
+    for rows in sorted({1, edge, edge + 1, 300} - {0}):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+        assert _close(layer(x.bfloat16().to(device)).cpu(), x @ ref.t())
 
 
 def test_gguf_types_without_terms_are_left_to_the_float_path():
@@ -277,8 +335,8 @@ def test_quantization_flags_are_checked_before_anything_loads(checkpoints):
         EngineConfig(quantization="awq")
     with pytest.raises(ValueError, match="quantization_group_size must be one of"):
         EngineConfig(quantization_group_size=48)
-    with pytest.raises(ValueError, match="use --quantization none"):
-        check_device("int4", torch.device("cuda"))
+    with pytest.raises(ValueError, match="not mps; use --quantization none"):
+        check_device("int4", torch.device("mps"))
     with pytest.raises(ValueError, match="does not divide the 96 input features"):
         LLM(str(checkpoints["llama3"]), quantization="int4", quantization_group_size=64)
 
