@@ -24,7 +24,11 @@ saturation queueing turns the host's drift into larger latency errors, and this 
 figure separates what the simulator gets wrong from what the host did.
 
 Each step's simulated time is drawn from the spread of the profile's single runs (its
-step_noise; the `fixed` rows take the fitted time exactly). In engine mode the simulated
+step_noise; the `fixed` rows take the fitted time exactly). The profile runs on a quiet core;
+a server's steps share theirs with its API process and spread wider, so in served mode the
+`loaded` rows draw each step's time from the spread of the server's own steps in the
+calibration burst instead (TANDEM_STEP_LOG: each step's shape and seconds, over the
+profile's prediction for that shape, centred on 1; seeds no point uses). In engine mode the simulated
 group's token_ms is the engine loop's own time per sampled token (schedule and update,
 measured in its warm-up). A server's host time outside its model steps (its API process
 taking each step's outputs and streaming them, its engine core's loop and messages: CPU time
@@ -133,27 +137,63 @@ def warm_pool(url: str, out: Path, mode: str, args, cores) -> None:
            "--random-output-len", "1", "--random-range-ratio", "0", "--max-concurrency", "4"])  # fmt: skip
 
 
-def calibrate(url: str, out: Path, mode: str, args, cores, point: int, servers) -> tuple:
+def logged_steps(path: Path | None) -> list:
+    """(StepShape, seconds) of each model step a server's step log holds (TANDEM_STEP_LOG)."""
+    from tandem.core.cost_model import StepShape
+
+    if path is None or not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return [(StepShape(*row[:-1]), row[-1]) for row in rows]
+
+
+def loaded_noise(steps, cost: Path) -> tuple[float, ...]:
+    """The spread of a server's steps under load about the profile's prediction, in the form
+    of the profile's own step_noise (20 equally likely ratios), its median 1: the host costs
+    (step_ms, token_ms) carry the mean of what load adds; this, how unevenly it lands."""
+    import statistics
+
+    from tandem.core.cost_model import CostModel, noise_quantiles
+
+    model = CostModel.load(cost)
+    ratios = noise_quantiles([[t] for _, t in steps], [model.predict(s) for s, _ in steps])
+    middle = statistics.median(ratios)
+    return tuple(r / middle for r in ratios)
+
+
+def with_noise(cost: Path, noise: tuple[float, ...], path: Path) -> Path:
+    from tandem.core.cost_model import CostModel
+
+    model = CostModel.load(cost)
+    info = {**(model.info or {}), "step_noise": "the calibration burst's steps (loaded_noise)"}
+    CostModel(model.coef, info, model.kernels, noise).save(path)
+    return path
+
+
+def calibrate(url: str, out: Path, mode: str, args, cores, point: int, servers,
+              step_log: Path | None = None) -> tuple:  # fmt: skip
     """CALIBRATION requests one at a time (no queueing), then BURST eight at a time, on seeds
     no point uses. Returns the real TTFTs of the first, the requests to simulate them with
     (spaced so none overlaps another), and each server's host time, steps and sampled tokens
-    in each run (host_usage). What the one-at-a-time requests take beyond their simulated
-    prefill is the fixed cost outside the engine's steps (HTTP, tokenization, the proxy's
-    hops), the simulated group's latency_ms; the host times give its step_ms and token_ms."""
+    in each run (host_usage), and the burst's model steps from `step_log` (a server's
+    TANDEM_STEP_LOG; none without). What the one-at-a-time requests take beyond their
+    simulated prefill is the fixed cost outside the engine's steps (HTTP, tokenization, the
+    proxy's hops), the simulated group's latency_ms; the host times give its step_ms and
+    token_ms."""
     before = host_usage(servers)
     # --ready-timeout 0: no test request, so the servers' counters hold these requests alone
     real = bench(url, out, f"{mode}-calibration", args, float("inf"), point, cores,
                  ["--max-concurrency", "1", "--num-prompts", str(CALIBRATION),
                   "--ready-timeout", "0"])  # fmt: skip
-    middle = host_usage(servers)
+    middle, logged = host_usage(servers), len(logged_steps(step_log))
     bench(url, out, f"{mode}-burst", args, float("inf"), point + 2, cores,
           ["--max-concurrency", "8", "--num-prompts", str(BURST), "--ready-timeout", "0"])  # fmt: skip
-    after = host_usage(servers)
+    after, burst = host_usage(servers), logged_steps(step_log)[logged:]
     usage = [[tuple(b - a for a, b in zip(x, y)) for x, y in zip(first, second)]
              for first, second in ((before, middle), (middle, after))]  # fmt: skip
     requests = sim_requests(args, 1.0, point, CALIBRATION)
     spaced = [dataclasses.replace(r, arrival=60.0 * i) for i, r in enumerate(requests)]
-    return real, spaced, [list(runs) for runs in zip(*usage)]
+    return real, spaced, [list(runs) for runs in zip(*usage)], burst
 
 
 def host_usage(servers) -> list[tuple[float, float, float, float, float]]:
@@ -322,6 +362,7 @@ def simulate(cluster: dict, base: Path, requests) -> dict:
 
 def main() -> None:
     from tandem.bench.servers import ManagedServer, tandem_server
+    from tandem.core.cost_model import CostModel
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rates", default="0.5,1.5,2.5")
@@ -381,8 +422,12 @@ def main() -> None:
             run_engine, wide, token_ms = engine_runner(args, rates)
             each_rate(run_engine)
             return [r for r, _ in reals], taken, [steps for _, steps in reals], wide, token_ms
+        step_log = None
         if mode == "served":  # one core for the server, the other for the client
             servers = [pin(tandem_server(free_port(), None, engine, out / "served.log"), "1")]
+            step_log = out / "served-steps.jsonl"
+            step_log.unlink(missing_ok=True)
+            servers[0].env["TANDEM_STEP_LOG"] = str(step_log)
         else:
             p = pin(tandem_server(free_port(), None, [*engine, "--role", "prefill"],
                                   out / "p.log"), "0")  # fmt: skip
@@ -403,7 +448,7 @@ def main() -> None:
             tandems = servers[:2] if mode == "1p1d" else servers  # (prefill, decode), no proxy
             for n in (1, 0):  # the first warms the servers up (its own prompts: no cache hit)
                 calibration = calibrate(url, out, mode, args, client, CALIBRATION_POINT + 3 * n,
-                                        tandems)  # fmt: skip
+                                        tandems, step_log)  # fmt: skip
             (out / f"{mode}-calibration-usage.json").write_text(json.dumps(calibration[2]))
             run = staged_bench if mode == "1p1d" else bench
             each_rate(lambda i, rate: run(url, out, f"{mode}-{rate:g}", args, rate, i, client))
@@ -423,7 +468,7 @@ def main() -> None:
         if mode == "engine":
             print(f"engine: its loop took {calibration:.2f} ms a sampled token", flush=True)
             return {"local": {"token_ms": calibration}}
-        real, spaced, usage = calibration
+        real, spaced, usage, _ = calibration
         names = ["p", "d"] if mode == "1p1d" else ["local"]
         host = {name: host_costs(runs) for name, runs in zip(names, usage)}
         for name, runs in zip(names, usage):
@@ -461,14 +506,26 @@ def main() -> None:
                  for i, rate in enumerate(rates)]  # fmt: skip
         drifts[mode] = [drift for _, drift in costs]
         host = hosts[mode] = calibration_costs(mode, costs[0][0], calibration)
+        burst = calibration[3] if mode != "engine" else []
+        if burst:  # the served server's steps in the calibration burst: their spread
+            noise = loaded_noise(burst, costs[0][0])
+            quiet = CostModel.load(costs[0][0]).noise
+            print(f"{mode}: {len(burst)} steps in the burst; spread (10th / 50th / 90th / "
+                  f"largest ratio) {noise[2]:.2f} / 1 / {noise[17]:.2f} / {noise[-1]:.2f}, the "
+                  f"profile's {quiet[2]:.2f} / {quiet[10]:.2f} / {quiet[17]:.2f} / {quiet[-1]:.2f}",
+                  flush=True)  # fmt: skip
         for i, (rate, real, (cost, _)) in enumerate(zip(rates, reals, costs)):
             real = {k: real[k] for k in KEYS}
-            for name, noise in ((mode, True), (f"{mode} fixed", False)):
-                sim = simulate(cluster(mode, cost, host, noise), ROOT,
+            variants = [(mode, cost, True), (f"{mode} fixed", cost, False)]
+            if burst:  # each step's time drawn from the spread under load instead
+                loaded = with_noise(cost, noise, profiles / f"{mode}-{rate:g}-loaded.json")
+                variants.append((f"{mode} loaded", loaded, True))
+            for name, priced, noisy in variants:
+                sim = simulate(cluster(mode, priced, host, noisy), ROOT,
                                sim_requests(args, rate, i))  # fmt: skip
                 rows.append((name, rate, real, {k: sim[k] for k in KEYS}, busiest(sim)))
                 print(name, rate, real, rows[-1][3], flush=True)
-                if mode == "1p1d" and noise:
+                if mode == "1p1d" and name == mode:
                     stages.append((rate, reals[i]["pd_handoff_stage_ms"],
                                    sim["pd_handoff_stage_ms"]))  # fmt: skip
             # what the host costs and step_scale are worth: the same point without them
@@ -503,7 +560,8 @@ def main() -> None:
             f"and step_scale, {mean_error([r for r in untimed if r[0] == mode]):.1%} without"
         )
     print("'fixed': every step takes the profile's time; the other rows draw each step's time "
-          "from the spread of the profile's single runs (its step_noise); 'busy': the simulated "
+          "from the spread of the profile's single runs (its step_noise), 'loaded' from the "
+          "spread of the served server's own steps in the calibration burst; 'busy': the simulated "
           "share of time its busiest instance computes (near 100% queueing turns any error in "
           "step time into a far larger one in latency)")  # fmt: skip
     for mode, host in hosts.items():

@@ -12,7 +12,10 @@ time; the loop cannot tell them apart.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import os
 from collections.abc import Callable
 
 from tandem.core.request import Request, RequestStatus
@@ -46,6 +49,11 @@ class EngineCore:
         # none in the simulator, whose steps take no CPU worth counting (and it costs a call)
         self.cpu_clock = cpu_clock
         self.lora_ids: set[int] = set()  # adapters the runner holds
+        # TANDEM_STEP_LOG=<path>: every model step's shape and seconds appended as a JSON line,
+        # [*StepShape fields, seconds]: how a server's steps ran under load, against a cost
+        # model's prediction (benchmarks/sim_validation.py); None: not asked for
+        path = os.environ.get("TANDEM_STEP_LOG")
+        self.step_log = open(path, "a", buffering=1) if path else None  # noqa: SIM115
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -97,6 +105,9 @@ class EngineCore:
             self.execute_seconds += t2 - t1
             if self.cpu_clock:
                 self.execute_cpu_seconds += self.cpu_clock() - cpu
+            if self.step_log is not None:
+                shape = dataclasses.astuple(plan.shape)
+                self.step_log.write(json.dumps([*shape, round(t2 - t1, 6)]) + "\n")
         self.scheduler.observe_step(plan, t2 - t1)
         outputs = [_shed_output(r) for r in plan.shed] + self._fail(errors)
         before = [s.request.num_tokens for s in plan.scheduled]

@@ -3,6 +3,7 @@ will drive. No torch, no model."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -120,6 +121,24 @@ def test_step_timings_are_read_on_the_engine_clock():
     core.add_request(_request("a", 4, max_tokens=2))
     core.step()
     assert core.last_step_timings == {"schedule": 0.0, "execute": 1.0, "update": 0.0}
+
+
+def test_a_step_log_holds_each_model_step_shape_and_seconds(tmp_path, monkeypatch):
+    log = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("TANDEM_STEP_LOG", str(log))
+    core, runner, clock = _engine({"a": [7, 8], "b": [9]}, _cost)
+    core.add_request(_request("a", 6, max_tokens=2))
+    core.add_request(_request("b", 5, first_token=200, max_tokens=1))
+    _run(core, clock)
+    core.step()  # schedules nothing: no line
+
+    # [prefill_tokens, decode_rows, kv_tokens, chunk_kv, prefill_rows, chunk_own, seconds]
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [s[:3] + s[4:5] + s[-1:] for s in steps] == [
+        [8, 0, 0, 2, 1.5],  # a's prompt, 2 of b's: 8 tokens
+        [3, 1, 6, 1, 1.0],  # b's other 3 beside a's decode at 6 tokens of context
+    ]
+    assert len(steps) == core.num_steps
 
 
 def test_a_request_that_breaks_the_runner_fails_alone_and_the_others_go_on():
