@@ -12,6 +12,9 @@
 # requests continuously with --parallel (TANDEM_LLAMACPP_PARALLEL, default 16 slots).
 # Other env: TANDEM_LLAMACPP_THREADS (2), TANDEM_LLAMACPP_CTX (2048 per slot), TANDEM_LLAMACPP_PIP_SPEC,
 # TANDEM_PEERS_DIR, TANDEM_PYTHON, TANDEM_GGUF.
+# On an AMX Xeon (a VM, 2026-12) the C++ server died at its warm-up with SIGILL in the AMX
+# weight buffer it repacks into; llama.cpp's own LLAMA_ARG_REPACK=false (--no-repack) serves
+# on its AVX-512 kernels instead, and was how it was measured there.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 VENV="$PEERS_DIR/llamacpp"

@@ -49,11 +49,11 @@ class EngineCore:
         # none in the simulator, whose steps take no CPU worth counting (and it costs a call)
         self.cpu_clock = cpu_clock
         self.lora_ids: set[int] = set()  # adapters the runner holds
-        # TANDEM_STEP_LOG=<path>: every model step's shape and seconds appended as a JSON line,
-        # [*StepShape fields, seconds]: how a server's steps ran under load, against a cost
-        # model's prediction (benchmarks/sim_validation.py); None: not asked for
+        # TANDEM_STEP_LOG=<path>: every model step appended as a JSON line, [*StepShape fields,
+        # start on `clock`, seconds]: how a server's steps ran under load, against a cost
+        # model's prediction, and the gaps between them (benchmarks/sim_validation.py)
         path = os.environ.get("TANDEM_STEP_LOG")
-        self.step_log = open(path, "a", buffering=1) if path else None  # noqa: SIM115
+        self.step_log = open(path, "a", buffering=1) if path else None
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -107,7 +107,7 @@ class EngineCore:
                 self.execute_cpu_seconds += self.cpu_clock() - cpu
             if self.step_log is not None:
                 shape = dataclasses.astuple(plan.shape)
-                self.step_log.write(json.dumps([*shape, round(t2 - t1, 6)]) + "\n")
+                self.step_log.write(json.dumps([*shape, round(t1, 6), round(t2 - t1, 6)]) + "\n")
         self.scheduler.observe_step(plan, t2 - t1)
         outputs = [_shed_output(r) for r in plan.shed] + self._fail(errors)
         before = [s.request.num_tokens for s in plan.scheduled]

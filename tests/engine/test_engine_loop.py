@@ -132,11 +132,12 @@ def test_a_step_log_holds_each_model_step_shape_and_seconds(tmp_path, monkeypatc
     _run(core, clock)
     core.step()  # schedules nothing: no line
 
-    # [prefill_tokens, decode_rows, kv_tokens, chunk_kv, prefill_rows, chunk_own, seconds]
+    # [prefill_tokens, decode_rows, kv_tokens, chunk_kv, prefill_rows, chunk_own, start,
+    # seconds]
     steps = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [s[:3] + s[4:5] + s[-1:] for s in steps] == [
-        [8, 0, 0, 2, 1.5],  # a's prompt, 2 of b's: 8 tokens
-        [3, 1, 6, 1, 1.0],  # b's other 3 beside a's decode at 6 tokens of context
+    assert [s[:3] + s[4:5] + s[-2:] for s in steps] == [
+        [8, 0, 0, 2, 0.0, 1.5],  # a's prompt, 2 of b's: 8 tokens
+        [3, 1, 6, 1, 1.5, 1.0],  # b's other 3 beside a's decode at 6 tokens of context
     ]
     assert len(steps) == core.num_steps
 
