@@ -78,6 +78,13 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def free_memory() -> None:
+    """Give back what the engine just dropped before the next one loads."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def run_tandem(path: Path, prompts, output_len: int, quantization: str, args) -> dict:
     from tandem import LLM, SamplingParams
 
@@ -91,10 +98,12 @@ def run_tandem(path: Path, prompts, output_len: int, quantization: str, args) ->
     step = core.step
 
     def timed_step():  # each phase's seconds summed (on CUDA the sample waits for the GPU)
+        before = core.num_steps
         out = step()
-        for phase, t in core.last_step_timings.items():
-            phases[phase] = phases.get(phase, 0.0) + t
-        phases["steps"] = phases.get("steps", 0) + 1
+        if core.num_steps > before:  # a step that ran the model (else its timings are stale)
+            for phase, t in core.last_step_timings.items():
+                phases[phase] = phases.get(phase, 0.0) + t
+            phases["steps"] = phases.get("steps", 0) + 1
         return out
 
     core.step = timed_step
@@ -106,9 +115,8 @@ def run_tandem(path: Path, prompts, output_len: int, quantization: str, args) ->
               "first": outs[0].outputs[0].token_ids[:16],
               "ms_per_step": {k: round(v / phases["steps"] * 1e3, 2) for k, v in phases.items() if k != "steps"},
               "steps": phases["steps"]}  # fmt: skip
-    llm = None  # free its memory before the next engine
-    gc.collect()
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    llm = None
+    free_memory()
     return result
 
 
@@ -126,8 +134,7 @@ def run_hf(path: Path, prompts, output_len: int, device: str) -> dict:
     tokens = (out[0].shape[1] - ids.shape[1]) * ids.shape[0]
     first = out[0][0, ids.shape[1] : ids.shape[1] + 16].tolist()
     model = out = None
-    gc.collect()
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    free_memory()
     return {"engine": "HF transformers generate()", "seconds": seconds, "tokens": tokens,
             "first": first}  # fmt: skip
 

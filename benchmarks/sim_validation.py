@@ -139,27 +139,27 @@ def warm_pool(url: str, out: Path, mode: str, args, cores) -> None:
 
 
 def logged_steps(path: Path | None) -> list:
-    """(StepShape, seconds) of each model step a server's step log holds (TANDEM_STEP_LOG)."""
+    """(StepShape, start, seconds) of each model step a server's step log holds
+    (TANDEM_STEP_LOG: a JSON line a step, the shape's fields, then start and seconds)."""
     from tandem.core.cost_model import StepShape
 
     if path is None or not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    return [(StepShape(*row[:-2]), row[-1]) for row in rows]
+    return [(StepShape(*row[:-2]), row[-2], row[-1]) for row in rows]
 
 
-def step_gaps(path: Path, first: int) -> dict:
-    """Milliseconds between one model step's end and the next one's start, over the steps a
-    server's step log holds from line `first` on: the engine loop's own time, its API process
-    on the same core and, at low load, idle waits for requests."""
+def step_gaps(steps) -> dict:
+    """Milliseconds between one logged step's end and the next one's start (logged_steps):
+    the engine loop's own time, its API process on the same core and, at low load, idle
+    waits for requests."""
     import statistics
 
-    rows = [json.loads(line) for line in path.read_text().splitlines()[first:]]
-    gaps = sorted(1e3 * (b[-2] - a[-2] - a[-1]) for a, b in zip(rows, rows[1:]))
+    gaps = sorted(1e3 * (b[1] - a[1] - a[2]) for a, b in zip(steps, steps[1:]))
     if not gaps:
         return {}
     at = lambda q: gaps[min(len(gaps) - 1, int(q * len(gaps)))]  # noqa: E731
-    return {"steps": len(rows), "mean": statistics.fmean(gaps), "p50": at(0.5),
+    return {"steps": len(steps), "mean": statistics.fmean(gaps), "p50": at(0.5),
             "p90": at(0.9), "p99": at(0.99), "max": gaps[-1]}  # fmt: skip
 
 
@@ -172,7 +172,7 @@ def loaded_noise(steps, cost: Path) -> tuple[float, ...]:
     from tandem.core.cost_model import CostModel, noise_quantiles
 
     model = CostModel.load(cost)
-    ratios = noise_quantiles([[t] for _, t in steps], [model.predict(s) for s, _ in steps])
+    ratios = noise_quantiles([[t] for *_, t in steps], [model.predict(s) for s, *_ in steps])
     middle = statistics.median(ratios)
     return tuple(r / middle for r in ratios)
 
@@ -469,10 +469,10 @@ def main() -> None:
             run = staged_bench if mode == "1p1d" else bench
 
             def logged_run(i: int, rate: float) -> dict:
-                first = len(step_log.read_text().splitlines()) if step_log else 0
+                first = len(logged_steps(step_log))
                 real = run(url, out, f"{mode}-{rate:g}", args, rate, i, client)
                 if step_log:
-                    real["step_gaps_ms"] = step_gaps(step_log, first)
+                    real["step_gaps_ms"] = step_gaps(logged_steps(step_log)[first:])
                 return real
 
             each_rate(logged_run)

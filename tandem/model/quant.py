@@ -125,12 +125,12 @@ class QuantizedLinear(nn.Module, ABC):
     padded_rows: int  # output rows as stored (int4 packs blocks of 64)
 
     def __init__(
-        self, in_features: int, out_features: int, bias: torch.Tensor | None, cpu: bool = True
+        self, in_features: int, out_features: int, bias: torch.Tensor | None, on_cuda=False
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.on_cuda = not cpu
+        self.on_cuda = on_cuda
         # else torch's kernels for every size
         self.can_dense = self.CUDA_DENSE if self.on_cuda else kernels.dequant() is not None
         self.dense_copy: PackedLinear | None = None  # keep_dense_copy's bf16 weight
@@ -233,7 +233,7 @@ class Int4Linear(QuantizedLinear):
     AMX_GEMM_MAX_ROWS = 240
 
     def __init__(self, in_features, out_features, terms: list[Int4Term], fmt: str, bias=None):
-        super().__init__(in_features, out_features, bias, terms[0].packed.device.type == "cpu")
+        super().__init__(in_features, out_features, bias, terms[0].packed.is_cuda)
         self.terms, self.fmt = terms, fmt
         self.padded_rows = terms[0].scales_zeros.shape[1]
         # Where the CPU has AMX, dense steps of up to AMX_GEMM_MAX_ROWS rows dequantize and
@@ -374,7 +374,7 @@ class Int8Linear(QuantizedLinear):
     CUDA_KERNEL_MAX_ROWS = 0
 
     def __init__(self, in_features, out_features, q: torch.Tensor, scale: torch.Tensor, bias=None):
-        super().__init__(in_features, out_features, bias, q.device.type == "cpu")
+        super().__init__(in_features, out_features, bias, q.is_cuda)
         self.q, self.scale = q.contiguous(), scale.to(torch.bfloat16).contiguous()
         self.fmt, self.padded_rows = "int8 (per channel)", out_features
 
