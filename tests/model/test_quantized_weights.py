@@ -57,7 +57,7 @@ def _int4_layer(n, k, group, seed=0):
 AMX = kernels.dequant() is not None and kernels.dequant().amx()
 # where quantized layers change kernels (see quant.py): with AMX's int4_gemm dense wins sooner
 QUANT_ROWS = (
-    KernelRows(wide=8, head=4, tile=4, gemm=240) if AMX else KernelRows(wide=32, head=10, tile=4)
+    KernelRows(wide=4, head=2, tile=4, gemm=240) if AMX else KernelRows(wide=32, head=10, tile=4)
 )
 
 
@@ -236,7 +236,7 @@ def test_the_default_model_runs_on_its_gguf_blocks_and_follows_the_float_path():
             assert model.model.layers[0].mlp.down_proj.fmt == "Q4_1"
             assert model.model.embed_tokens.source is model.lm_head  # tied: stored once
         # where the cost model's step time has its steps: the projections turn dense past 32
-        # rows (8 with AMX), the two-term head past 10 sampled rows (4), and torch's kernels
+        # rows (4 with AMX), the two-term head past 10 sampled rows (2), and torch's kernels
         # pass 4 rows
         expected = QUANT_ROWS if method == "gguf" else KernelRows()
         assert kernel_rows(llm.engine.runner.model, torch.device("cpu")) == expected
@@ -402,6 +402,9 @@ def test_with_amx_a_dense_step_multiplies_the_same_bf16_weights_a_block_at_a_tim
         assert torch.allclose(y.float(), layer._dense(x).float(), rtol=1e-2, atol=1e-2)
         assert _close(y, x.float() @ layer.dequantize().t())
     assert calls == [1, 31, 32, 33, 100]  # past AMX_GEMM_MAX_ROWS rows the slices win
+    # one-hot rows read the weights back: the blocks hold the slices' bf16 numbers to the bit
+    weights = layer.dense(torch.eye(128, dtype=torch.bfloat16))
+    assert torch.equal(weights, layer.dequant_t(0, 128)[:, :100])
 
 
 @pytest.mark.parametrize("kind", ["int4", "Q8_0", "int8"])

@@ -64,7 +64,9 @@ def fused():
     fused.cpp), or None: use the torch path."""
     if not enabled():
         return None
-    return _load(FUSED_SOURCE, "tandem_fused", "the C++ fused layer kernels", (SOURCE,))
+    return _load(
+        FUSED_SOURCE, "tandem_fused", "the C++ fused layer kernels", (SOURCE, DEQUANT_SOURCE)
+    )
 
 
 def prefill_attention():

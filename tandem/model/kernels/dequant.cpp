@@ -95,12 +95,23 @@ inline void column(__m512 (&w)[4], const __m512 (&vs)[terms][4], const __m512 (&
   }
 }
 
+// Block b's scales and summed zero points over group g, straight from scales_zeros: its 64
+// (scale, zero) bf16 pairs are 4 x 16 dwords, the scale in each one's low half, the zero in
+// its high half (block_params' numbers, 16 rows an instruction).
 template <int terms>
-inline void load_params(__m512 (&vs)[terms][4], __m512 (&vz)[4], const float (&scale)[terms][64],
-                        const float (&zero)[64]) {
-  for (int v = 0; v < 4; ++v) {
-    for (int t = 0; t < terms; ++t) vs[t][v] = _mm512_loadu_ps(scale[t] + 16 * v);
-    vz[v] = _mm512_loadu_ps(zero + 16 * v);
+inline void load_params(__m512 (&vs)[terms][4], __m512 (&vz)[4], const at::BFloat16* const* szs,
+                        int64_t n, int64_t b, int64_t g) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  const __m512 eight = _mm512_set1_ps(8.f);
+  for (int v = 0; v < 4; ++v) vz[v] = _mm512_setzero_ps();
+  for (int t = 0; t < terms; ++t) {
+    const at::BFloat16* s = szs[t] + (g * n + b * 64) * 2;
+    for (int v = 0; v < 4; ++v) {
+      const __m512i pairs = _mm512_loadu_si512(s + 32 * v);
+      vs[t][v] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+      vz[v] = _mm512_add_ps(vz[v], _mm512_sub_ps(zero, _mm512_mul_ps(eight, vs[t][v])));
+    }
   }
 }
 
@@ -127,20 +138,19 @@ void dequant_terms(at::BFloat16* o, const uint8_t* const* ps, const at::BFloat16
                    int64_t n, int64_t k, int64_t group, int64_t row_begin, int64_t rows) {
   const int64_t blocks = rows / 64, groups = k / group, first = row_begin / 64;
   at::parallel_for(0, blocks * groups, 1, [&](int64_t begin, int64_t end) {
-    float scale[terms][64], zero[64];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / groups + first, g = i % groups;
-      block_params<terms>(scale, zero, szs, n, b, g);
 #ifdef __AVX512F__
       __m512 vs[terms][4], vz[4], w[4];
-      load_params<terms>(vs, vz, scale, zero);
+      load_params<terms>(vs, vz, szs, n, b, g);
       for (int64_t c = g * group; c < (g + 1) * group; ++c) {
         column<terms>(w, vs, vz, ps, k, b, c);
         at::BFloat16* dst = o + c * rows + (b - first) * 64;
         for (int v = 0; v < 4; ++v) store_bf16(dst + 16 * v, w[v]);
       }
 #else
-      float w[64];
+      float scale[terms][64], zero[64], w[64];
+      block_params<terms>(scale, zero, szs, n, b, g);
       for (int64_t c = g * group; c < (g + 1) * group; ++c) {
         column<terms>(w, scale, zero, ps, k, b, c);
         at::BFloat16* dst = o + c * rows + (b - first) * 64;
@@ -151,17 +161,82 @@ void dequant_terms(at::BFloat16* o, const uint8_t* const* ps, const at::BFloat16
   });
 }
 
+// Bytes of packed weights fetched ahead of the column being dequantized.
+constexpr int64_t kPrefetchBytes = 1024;
+
+#if defined(__AVX512VBMI__) && defined(__AVX512BF16__)
+// Columns c and c + 1 of a block are 64 consecutive bytes. One byte permute puts, in dword
+// lane L, byte e, the byte of row 8e + L / 2 (and 32 + 8e + L / 2 in its high nibble) of
+// column c + L % 2: then a shift leaves in each lane's low 4 bits a weight of pairs of
+// columns interleaved, which a float table lookup (vpermps reads 4 index bits) widens, and
+// cvtne2ps_pbh rounds two such vectors into 16 rows of AMX's VNNI pairs, in order. About a
+// third of the shuffles of widening each column by itself (cvtepu8 / cvtepu16 per 16 rows).
+inline __m512i interleave_pairs_index() {
+  alignas(64) uint8_t idx[64];
+  for (int lane = 0; lane < 16; ++lane)
+    for (int e = 0; e < 4; ++e) idx[4 * lane + e] = (lane % 2) * 32 + 8 * e + lane / 2;
+  return _mm512_load_si512(idx);
+}
+
+// The scales and zeros of extraction x = 4h + e in lane order: row 32h + 8e + L / 2 in lane L,
+// from the block's four vectors of 16 rows.
+template <int terms>
+inline void lane_params(__m512 (&ls)[terms][8], __m512 (&lz)[8], const __m512 (&vs)[terms][4],
+                        const __m512 (&vz)[4]) {
+  const __m512i lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+  for (int h = 0; h < 2; ++h)
+    for (int e = 0; e < 4; ++e) {
+      const int x = 4 * h + e, v = 2 * h + e / 2;
+      const __m512i idx = e % 2 ? hi : lo;
+      for (int t = 0; t < terms; ++t) ls[t][x] = _mm512_permutexvar_ps(idx, vs[t][v]);
+      lz[x] = _mm512_permutexvar_ps(idx, vz[v]);
+    }
+}
+
+template <int terms>
+void dequant_block_vnni(at::BFloat16* o, const uint8_t* const* ps, const at::BFloat16* const* szs,
+                        int64_t n, int64_t k, int64_t group, int64_t b) {
+  const __m512i order = interleave_pairs_index();
+  const __m512 table = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t g = 0; g < k / group; ++g) {
+    __m512 vs[terms][4], vz[4], ls[terms][8], lz[8];
+    load_params<terms>(vs, vz, szs, n, b, g);
+    lane_params<terms>(ls, lz, vs, vz);
+    for (int64_t c = g * group; c < (g + 1) * group; c += 2) {
+      __m512i bytes[terms];
+      for (int t = 0; t < terms; ++t) {
+        const uint8_t* src = ps[t] + (b * k + c) * 32;
+        // the next columns' bytes toward L1 (a block is read once a step, from memory or L3)
+        __builtin_prefetch(src + kPrefetchBytes);
+        bytes[t] = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(src));
+      }
+      __m512 w[8];
+      for (int x = 0; x < 8; ++x) {  // x = 4h + e: rows 32h + 8e .. + 7, both columns
+        w[x] = lz[x];
+        for (int t = 0; t < terms; ++t) {
+          const __m512i q = x ? _mm512_srli_epi32(bytes[t], 8 * (x % 4) + 4 * (x / 4)) : bytes[t];
+          w[x] = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, table), ls[t][x], w[x]);
+        }
+      }
+      at::BFloat16* dst = o + c * 64;  // = (c / 2) * 64 * 2; rows 16v .. 16v + 15 at 32v
+      for (int v = 0; v < 4; ++v)
+        _mm512_storeu_si512(dst + 32 * v, (__m512i)_mm512_cvtne2ps_pbh(w[2 * v + 1], w[2 * v]));
+    }
+  }
+}
+#else
 // Block b of W (64 rows, every column) into o, [k / 2][64][2] bfloat16: AMX's VNNI order.
 template <int terms>
 void dequant_block_vnni(at::BFloat16* o, const uint8_t* const* ps, const at::BFloat16* const* szs,
                         int64_t n, int64_t k, int64_t group, int64_t b) {
-  float scale[terms][64], zero[64];
   for (int64_t g = 0; g < k / group; ++g) {
-    block_params<terms>(scale, zero, szs, n, b, g);
 #ifdef __AVX512F__
     __m512 vs[terms][4], vz[4], w0[4], w1[4];
-    load_params<terms>(vs, vz, scale, zero);
+    load_params<terms>(vs, vz, szs, n, b, g);
     for (int64_t c = g * group; c < (g + 1) * group; c += 2) {
+      // the next columns' bytes toward L1 (a block is read once a step, from memory or L3)
+      for (int t = 0; t < terms; ++t) __builtin_prefetch(ps[t] + (b * k + c) * 32 + kPrefetchBytes);
       column<terms>(w0, vs, vz, ps, k, b, c);
       column<terms>(w1, vs, vz, ps, k, b, c + 1);
       at::BFloat16* dst = o + c * 64;  // = (c / 2) * 64 * 2
@@ -171,7 +246,8 @@ void dequant_block_vnni(at::BFloat16* o, const uint8_t* const* ps, const at::BFl
       }
     }
 #else
-    float w0[64], w1[64];
+    float scale[terms][64], zero[64], w0[64], w1[64];
+    block_params<terms>(scale, zero, szs, n, b, g);
     for (int64_t c = g * group; c < (g + 1) * group; c += 2) {
       column<terms>(w0, scale, zero, ps, k, b, c);
       column<terms>(w1, scale, zero, ps, k, b, c + 1);
@@ -183,10 +259,19 @@ void dequant_block_vnni(at::BFloat16* o, const uint8_t* const* ps, const at::BFl
 #endif
   }
 }
+#endif
 
 // Input rows a brgemm call: one kernel for all calls but the tail. (32, 64 and 128 rows, and
 // 2 or 4 blocks of W a call, measured within noise of each other on an AMX Xeon.)
 constexpr int64_t GEMM_ROWS = 32;
+
+// This thread's block buffer, kept between calls: a fresh one each call was zero-filled
+// (and, past glibc's mmap threshold, page-faulted in) for every projection of every step.
+at::BFloat16* block_buffer(int64_t elems) {
+  static thread_local std::vector<at::BFloat16> buffer;
+  if (static_cast<int64_t>(buffer.size()) < elems) buffer.resize(elems);
+  return buffer.data();
+}
 
 template <int terms>
 void gemm_terms(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* ps,
@@ -194,14 +279,14 @@ void gemm_terms(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* 
                 int64_t group) {
   const int64_t blocks = (n_out + 63) / 64;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<at::BFloat16> w(k * 64);
+    at::BFloat16* w = block_buffer(k * 64);
     alignas(64) float acc[GEMM_ROWS * 64];
     for (int64_t b = begin; b < end; ++b) {
-      dequant_block_vnni<terms>(w.data(), ps, szs, n, k, group, b);
+      dequant_block_vnni<terms>(w, ps, szs, n, k, group, b);
       const int64_t cols = std::min<int64_t>(64, n_out - b * 64);
       for (int64_t m0 = 0; m0 < m; m0 += GEMM_ROWS) {
         const int64_t rows = std::min(GEMM_ROWS, m - m0);
-        at::native::cpublas::brgemm(rows, 64, k, k, 64, 64, false, x + m0 * k, w.data(), acc);
+        at::native::cpublas::brgemm(rows, 64, k, k, 64, 64, false, x + m0 * k, w, acc);
         for (int64_t i = 0; i < rows; ++i) {
           at::BFloat16* dst = out + (m0 + i) * n_out + b * 64;
           int64_t j = 0;
