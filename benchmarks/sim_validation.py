@@ -39,6 +39,10 @@ beyond their simulated steps (HTTP, tokenization, the proxy's hops and the decod
 import) is the fixed cost the simulated front group gets as latency_ms. The prefill
 server's steps also run longer than its profile's (it sends each layer's KV from inside
 them, and shares its core): its group's step_scale, measured in the calibration.
+
+Every tandem server logs its steps (the served one's, 1p1d's prefill and decode server's): for
+each rate the script prints the gaps between a server's steps and how their seconds compare
+with the profile's prediction (in all, prefill steps, decode-only steps).
 """
 
 from __future__ import annotations
@@ -161,6 +165,22 @@ def step_gaps(steps) -> dict:
     at = lambda q: gaps[min(len(gaps) - 1, int(q * len(gaps)))]  # noqa: E731
     return {"steps": len(steps), "mean": statistics.fmean(gaps), "p50": at(0.5),
             "p90": at(0.9), "p99": at(0.99), "max": gaps[-1]}  # fmt: skip
+
+
+def step_ratios(steps, cost: Path) -> dict:
+    """How a run's logged steps (logged_steps) compare with the profile's predictions: the
+    ratio of their summed seconds, in all and for steps with and without prefill tokens, and
+    the 10th / 50th / 90th percentile and largest ratio of single steps."""
+    from tandem.core.cost_model import CostModel
+
+    model = CostModel.load(cost)
+    pairs = [(s.prefill_tokens > 0, t, model.predict(s)) for s, _, t in steps]
+    ratio = lambda ps: sum(t for _, t, _ in ps) / max(1e-9, sum(p for *_, p in ps))  # noqa: E731
+    each = sorted(t / p for _, t, p in pairs if p > 0)
+    at = lambda q: each[min(len(each) - 1, int(q * len(each)))]  # noqa: E731
+    return {"ratio": ratio(pairs), "ratios": [at(0.1), at(0.5), at(0.9), each[-1]] if each else [],
+            "prefill_ratio": ratio([x for x in pairs if x[0]]),
+            "decode_ratio": ratio([x for x in pairs if not x[0]])}  # fmt: skip
 
 
 def loaded_noise(steps, cost: Path) -> tuple[float, ...]:
@@ -438,12 +458,8 @@ def main() -> None:
             run_engine, wide, token_ms = engine_runner(args, rates)
             each_rate(run_engine)
             return [r for r, _ in reals], taken, [steps for _, steps in reals], wide, token_ms
-        step_log = None
         if mode == "served":  # one core for the server, the other for the client
             servers = [pin(tandem_server(free_port(), None, engine, out / "served.log"), "1")]
-            step_log = out / "served-steps.jsonl"
-            step_log.unlink(missing_ok=True)
-            servers[0].env["TANDEM_STEP_LOG"] = str(step_log)
         else:
             p = pin(tandem_server(free_port(), None, [*engine, "--role", "prefill"],
                                   out / "p.log"), "0")  # fmt: skip
@@ -454,6 +470,14 @@ def main() -> None:
                    "--port", str(port), "--prefill", p.base_url, "--decode", d.base_url]  # fmt: skip
             proxy = ManagedServer("proxy", cmd, f"http://127.0.0.1:{port}", out / "proxy.log")
             servers = [p, d, pin(proxy, "0")]  # the proxy beside the prefill server
+        tandems = servers[:2] if mode == "1p1d" else servers  # (prefill, decode), no proxy
+        # each tandem server's own steps (TANDEM_STEP_LOG), by role
+        logs = ({r: out / f"1p1d-{r}-steps.jsonl" for r in ("p", "d")} if mode == "1p1d"
+                else {"": out / "served-steps.jsonl"})  # fmt: skip
+        for s, log in zip(tandems, logs.values()):
+            log.unlink(missing_ok=True)
+            s.env["TANDEM_STEP_LOG"] = str(log)
+        step_log = logs.get("")  # the served server's, whose calibration burst gives its spread
         for s in servers:
             s.start()
         try:
@@ -461,7 +485,6 @@ def main() -> None:
                 s.wait_ready(600)
             client, url = "0", servers[-1].base_url  # 1p1d: beside the prefill server
             warm_pool(url, out, mode, args, client)
-            tandems = servers[:2] if mode == "1p1d" else servers  # (prefill, decode), no proxy
             for n in (1, 0):  # the first warms the servers up (its own prompts: no cache hit)
                 calibration = calibrate(url, out, mode, args, client, CALIBRATION_POINT + 3 * n,
                                         tandems, step_log)  # fmt: skip
@@ -469,10 +492,9 @@ def main() -> None:
             run = staged_bench if mode == "1p1d" else bench
 
             def logged_run(i: int, rate: float) -> dict:
-                first = len(logged_steps(step_log))
+                first = {role: len(logged_steps(log)) for role, log in logs.items()}
                 real = run(url, out, f"{mode}-{rate:g}", args, rate, i, client)
-                if step_log:
-                    real["step_gaps_ms"] = step_gaps(logged_steps(step_log)[first:])
+                real["steps"] = {role: logged_steps(log)[first[role]:] for role, log in logs.items()}  # fmt: skip
                 return real
 
             each_rate(logged_run)
@@ -539,8 +561,10 @@ def main() -> None:
                   f"profile's {quiet[2]:.2f} / {quiet[10]:.2f} / {quiet[17]:.2f} / {quiet[-1]:.2f}",
                   flush=True)  # fmt: skip
         for i, (rate, real, (cost, _)) in enumerate(zip(rates, reals, costs)):
-            if real.get("step_gaps_ms"):
-                gaps.append((mode, rate, real["step_gaps_ms"]))
+            for role, steps in real.get("steps", {}).items():
+                if steps:
+                    name = f"{mode} {role}".strip()
+                    gaps.append((name, rate, {**step_gaps(steps), **step_ratios(steps, cost)}))
             real = {k: real[k] for k in KEYS}
             variants = [(mode, cost, True), (f"{mode} fixed", cost, False)]
             if burst:  # each step's time drawn from the spread under load instead
@@ -599,7 +623,10 @@ def main() -> None:
     for mode, rate, g in gaps:
         print(f"{mode} {rate:g} req/s: {g['steps']} steps; ms between them (the server's "
               f"step log) mean {g['mean']:.1f}, median {g['p50']:.1f}, p90 {g['p90']:.1f}, "
-              f"p99 {g['p99']:.1f}, largest {g['max']:.1f}", flush=True)  # fmt: skip
+              f"p99 {g['p99']:.1f}, largest {g['max']:.1f}; seconds over the profile's "
+              f"prediction {g['ratio']:.2f}x in all (10th / 50th / 90th / largest step "
+              + " / ".join(f"{r:.2f}" for r in g["ratios"]) + "), prefill steps "
+              f"{g['prefill_ratio']:.2f}x, decode-only {g['decode_ratio']:.2f}x", flush=True)  # fmt: skip
     for rate, real, sim in stages:
         print(f"1p1d {rate:g} req/s, mean ms a handoff stage (the proxy's, real / sim): " + ", ".join(
             f"{k} {real.get(k, 0):.0f} / {sim[k]:.0f}" for k in sim))  # fmt: skip
