@@ -75,9 +75,10 @@ def test_rope_in_place_on_the_qk_view_of_a_fused_projection_equals_the_torch_pat
 
 
 @pytest.mark.parametrize("rows", [1, 64, 65, 2048])
-def test_apply_rope_with_the_kernel_rotates_in_place_at_any_row_count(fused, rows):
-    qk = _randn(rows, 4, 64, dtype=torch.bfloat16)
-    cos, sin = (_randn(rows, 1, 64, dtype=torch.bfloat16, seed=s) for s in (3, 4))
+@pytest.mark.parametrize("d", [64, 128, 48])  # 48: halves of no whole bf16 vector
+def test_apply_rope_with_the_kernel_rotates_in_place_at_any_row_count(fused, rows, d):
+    qk = _randn(rows, 4, d, dtype=torch.bfloat16)
+    cos, sin = (_randn(rows, 1, d, dtype=torch.bfloat16, seed=s) for s in (3, 4))
     want = apply_rope(qk, (cos, sin))
     got = apply_rope(qk, (cos, sin), fused)
     assert torch.equal(got, want)
