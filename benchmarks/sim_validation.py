@@ -38,7 +38,8 @@ requests one at a time, and BURST at a concurrency of 8. What the one-at-a-time 
 beyond their simulated steps (HTTP, tokenization, the proxy's hops and the decode side's KV
 import) is the fixed cost the simulated front group gets as latency_ms. The prefill
 server's steps also run longer than its profile's (it sends each layer's KV from inside
-them, and shares its core): its group's step_scale, measured in the calibration.
+them, and shares its core): its group's step_scale, its logged steps in the calibration burst
+over the profile's prediction for their shapes.
 
 Every tandem server logs its steps (the served one's, 1p1d's prefill and decode server's): for
 each rate the script prints the gaps between a server's steps and how their seconds compare
@@ -477,7 +478,9 @@ def main() -> None:
         for s, log in zip(tandems, logs.values()):
             log.unlink(missing_ok=True)
             s.env["TANDEM_STEP_LOG"] = str(log)
-        step_log = logs.get("")  # the served server's, whose calibration burst gives its spread
+        # the calibration burst's steps: the served server's (their spread) or the prefill
+        # server's (how much longer than the profile's they run)
+        step_log = logs.get("", logs.get("p"))
         for s in servers:
             s.start()
         try:
@@ -524,19 +527,21 @@ def main() -> None:
                 .format(**host[name]), flush=True)  # fmt: skip
         if mode == "1p1d":
             # The prefill server's steps run longer than its profile's: it exports and sends
-            # each layer's KV from inside them (their CPU time one at a time over what the
-            # profile says the same steps take: one at a time, the simulated steps are the
-            # real ones), and under load it shares its core with the client and the proxy
-            # streaming the decode side's tokens (its steps' time over their CPU time in the
-            # burst).
+            # each layer's KV from inside them, and it shares its core with the client and
+            # the proxy streaming the decode side's tokens, and the machine with a busy decode
+            # server. Its step_scale: its own logged steps in the burst over what the profile
+            # says the same shapes take. (The CPU time of its steps one at a time over the
+            # profile's, times their wall over CPU time in the burst, as earlier versions took
+            # it, missed a tenth: 1.15 where the rate runs' steps ran 1.23-1.27x a profile.)
+            steps = calibration[3]
+            ratio = step_ratios(steps, cost)["ratio"]
             alone = simulate(cluster(mode, cost, noise=False), ROOT, spaced)["groups"]["p"]
             (*_, cpu), (*_, burst_wall, burst_cpu) = usage[0]
-            send, shared = cpu / alone["busy_seconds"], burst_wall / burst_cpu
-            host["p"]["step_scale"] = send * shared
-            print(f"1p1d p: its steps' CPU one at a time {cpu:.2f} s, the profile says "
-                  f"{alone['busy_seconds']:.2f} s ({send:.2f}x); in the burst its steps took "
-                  f"{shared:.2f}x their CPU time -> step_scale {host['p']['step_scale']:.2f}",
-                  flush=True)  # fmt: skip
+            host["p"]["step_scale"] = ratio
+            print(f"1p1d p: {len(steps)} steps in the burst ran {ratio:.2f}x the profile's "
+                  f"prediction -> step_scale {ratio:.2f} (its steps' CPU one at a time "
+                  f"{cpu / alone['busy_seconds']:.2f}x the profile's; in the burst their wall "
+                  f"{burst_wall / burst_cpu:.2f}x their CPU time)", flush=True)  # fmt: skip
         sim = simulate(cluster(mode, cost, host, noise=False), ROOT, spaced)
         latency = max(0.0, real["mean_ttft_ms"] - sim["mean_ttft_ms"])
         host[names[-1]]["latency_ms"] = latency
@@ -552,7 +557,7 @@ def main() -> None:
                  for i, rate in enumerate(rates)]  # fmt: skip
         drifts[mode] = [drift for _, drift in costs]
         host = hosts[mode] = calibration_costs(mode, costs[0][0], calibration)
-        burst = calibration[3] if mode != "engine" else []
+        burst = calibration[3] if mode == "served" else []
         if burst:  # the served server's steps in the calibration burst: their spread
             noise = loaded_noise(burst, costs[0][0])
             quiet = CostModel.load(costs[0][0]).noise
