@@ -169,8 +169,9 @@ constexpr int64_t kPrefetchBytes = 1024;
 // lane L, byte e, the byte of row 8e + L / 2 (and 32 + 8e + L / 2 in its high nibble) of
 // column c + L % 2: then a shift leaves in each lane's low 4 bits a weight of pairs of
 // columns interleaved, which a float table lookup (vpermps reads 4 index bits) widens, and
-// cvtne2ps_pbh rounds two such vectors into 16 rows of AMX's VNNI pairs, in order. About a
-// third of the shuffles of widening each column by itself (cvtepu8 / cvtepu16 per 16 rows).
+// cvtne2ps_pbh rounds two such vectors into 16 rows of AMX's VNNI pairs, in order: by count
+// about half the port-5 shuffles of widening each column by itself (cvtepu8 / cvtepu16 per 16
+// rows); the model's matmuls at 16 rows 15.4 -> 10.9 ms with the buffer below.
 inline __m512i interleave_pairs_index() {
   alignas(64) uint8_t idx[64];
   for (int lane = 0; lane < 16; ++lane)
