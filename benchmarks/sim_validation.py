@@ -532,7 +532,7 @@ def main() -> None:
             # server. Its step_scale: its own logged steps in the burst over what the profile
             # says the same shapes take. (The CPU time of its steps one at a time over the
             # profile's, times their wall over CPU time in the burst, as earlier versions took
-            # it, missed a tenth: 1.15 where the rate runs' steps ran 1.23-1.27x a profile.)
+            # it, missed a tenth: 1.15 where the rate runs' steps ran 1.20-1.28x a profile.)
             steps = calibration[3]
             ratio = step_ratios(steps, cost)["ratio"]
             alone = simulate(cluster(mode, cost, noise=False), ROOT, spaced)["groups"]["p"]

@@ -228,6 +228,8 @@ void dequant_block_vnni(at::BFloat16* o, const uint8_t* const* ps, const at::BFl
 }
 #else
 // Block b of W (64 rows, every column) into o, [k / 2][64][2] bfloat16: AMX's VNNI order.
+// (Every CPU with AMX has VBMI and AVX512-BF16, so int4_gemm takes the pass above; this one
+// keeps the file building for others.)
 template <int terms>
 void dequant_block_vnni(at::BFloat16* o, const uint8_t* const* ps, const at::BFloat16* const* szs,
                         int64_t n, int64_t k, int64_t group, int64_t b) {
@@ -236,8 +238,6 @@ void dequant_block_vnni(at::BFloat16* o, const uint8_t* const* ps, const at::BFl
     __m512 vs[terms][4], vz[4], w0[4], w1[4];
     load_params<terms>(vs, vz, szs, n, b, g);
     for (int64_t c = g * group; c < (g + 1) * group; c += 2) {
-      // the next columns' bytes toward L1 (a block is read once a step, from memory or L3)
-      for (int t = 0; t < terms; ++t) __builtin_prefetch(ps[t] + (b * k + c) * 32 + kPrefetchBytes);
       column<terms>(w0, vs, vz, ps, k, b, c);
       column<terms>(w1, vs, vz, ps, k, b, c + 1);
       at::BFloat16* dst = o + c * 64;  // = (c / 2) * 64 * 2
