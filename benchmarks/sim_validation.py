@@ -186,8 +186,9 @@ def step_ratios(steps, cost: Path) -> dict:
 
 def loaded_noise(steps, cost: Path) -> tuple[float, ...]:
     """The spread of a server's steps under load about the profile's prediction, in the form
-    of the profile's own step_noise (20 equally likely ratios), its median 1: the host costs
-    (step_ms, token_ms) carry the mean of what load adds; this, how unevenly it lands."""
+    of the profile's own step_noise (20 equally likely ratios, which the runner centres on
+    their mean): the host costs (step_ms, token_ms) carry the mean of what load adds; this,
+    how unevenly it lands."""
     import statistics
 
     from tandem.core.cost_model import CostModel, noise_quantiles

@@ -3,9 +3,10 @@ what the cost model predicts for its plan, on the instance's virtual clock; ever
 samples gets one token. The engine loop cannot tell it from the model runner.
 
 With `noise` (a profile's spread of single runs, CostModel.noise), each step's time is the
-prediction times one of those ratios, drawn by a generator seeded per instance: real steps
-stray from their shape's typical time, mostly upward on a shared machine, and near
-saturation queueing is made of those slow steps. Same seed, same draws: still deterministic.
+prediction times one of those ratios over their mean, drawn by a generator seeded per
+instance: real steps stray from their shape's typical time, and near saturation queueing is
+made of the slow ones, while on average they take the prediction. Same seed, same draws:
+still deterministic.
 
 `step_seconds` and `token_seconds` are what each step and each sampled token cost the
 instance's host outside the runner (the engine loop's schedule, update and messages; a front
@@ -38,7 +39,11 @@ class SimulatedRunner:
         scale: float = 1.0,
     ) -> None:
         self.cost_model, self.clock = cost_model, clock
-        self.noise, self._rng = noise, random.Random(seed)
+        # centred on their mean: the profile's time is its runs' median, and a right tail (a
+        # slow run now and then) puts their mean above it; served steps summed to 0.96-1.00x
+        # the median predictions, so draws spread about the prediction without raising it
+        mean = sum(noise) / len(noise) if noise else 1.0
+        self.noise, self._rng = tuple(r / mean for r in noise), random.Random(seed)
         self.token_seconds, self.step_seconds = token_seconds, step_seconds
         self.scale = scale
         self.busy_seconds = 0.0  # virtual seconds spent computing, for utilisation
