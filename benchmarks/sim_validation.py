@@ -33,8 +33,10 @@ group's token_ms is the engine loop's own time per sampled token (schedule and u
 measured in its warm-up). A server's host time outside its model steps (its API process
 taking each step's outputs and streaming them, its engine core's loop and messages: CPU time
 of both processes, less the core's in model steps, read from /proc and /metrics) is fitted
-as step_ms per step plus token_ms per sampled token over two calibration runs: CALIBRATION
-requests one at a time, and BURST at a concurrency of 8. What the one-at-a-time requests take
+as step_ms per step plus token_ms per sampled token plus request_ms per request (its HTTP and
+tokenization, on the same core) over three calibration runs: CALIBRATION requests one at a
+time, BURST at a concurrency of 8, and CALIBRATION more one at a time with one output token
+each. What the one-at-a-time requests take
 beyond their simulated steps (HTTP, tokenization, the proxy's hops and the decode side's KV
 import) is the fixed cost the simulated front group gets as latency_ms. The prefill
 server's steps also run longer than its profile's (it sends each layer's KV from inside
@@ -216,8 +218,9 @@ def calibrate(url: str, out: Path, mode: str, args, cores, point: int, servers,
     in each run (host_usage), and the burst's model steps from `step_log` (a server's
     TANDEM_STEP_LOG; none without). What the one-at-a-time requests take beyond their
     simulated prefill is the fixed cost outside the engine's steps (HTTP, tokenization, the
-    proxy's hops), the simulated group's latency_ms; the host times give its step_ms and
-    token_ms."""
+    proxy's hops), the simulated group's latency_ms; the host times give its step_ms,
+    token_ms and request_ms (with a third run, CALIBRATION more one at a time with one output
+    token each)."""
     before = host_usage(servers)
     # --ready-timeout 0: no test request, so the servers' counters hold these requests alone
     real = bench(url, out, f"{mode}-calibration", args, float("inf"), point, cores,
@@ -227,8 +230,14 @@ def calibrate(url: str, out: Path, mode: str, args, cores, point: int, servers,
     bench(url, out, f"{mode}-burst", args, float("inf"), point + 2, cores,
           ["--max-concurrency", "8", "--num-prompts", str(BURST), "--ready-timeout", "0"])  # fmt: skip
     after, burst = host_usage(servers), logged_steps(step_log)[logged:]
+    # CALIBRATION more one at a time, one token each: mostly what a request costs the host
+    # once (HTTP, tokenization), beside the two runs' mostly per-step and per-token costs
+    bench(url, out, f"{mode}-arrivals", args, float("inf"), point + 1, cores,
+          ["--max-concurrency", "1", "--num-prompts", str(CALIBRATION), "--random-output-len",
+           "1", "--random-range-ratio", "0", "--ready-timeout", "0"])  # fmt: skip
+    last = host_usage(servers)
     usage = [[tuple(b - a for a, b in zip(x, y)) for x, y in zip(first, second)]
-             for first, second in ((before, middle), (middle, after))]  # fmt: skip
+             for first, second in ((before, middle), (middle, after), (after, last))]  # fmt: skip
     requests = sim_requests(args, 1.0, point, CALIBRATION)
     spaced = [dataclasses.replace(r, arrival=60.0 * i) for i, r in enumerate(requests)]
     return real, spaced, [list(runs) for runs in zip(*usage)], burst
@@ -294,9 +303,27 @@ def staged_bench(url: str, *bench_args) -> dict:
 
 
 def host_costs(runs) -> dict:
+    """{step_ms, token_ms, request_ms} such that host seconds = step_ms * steps + token_ms *
+    tokens + request_ms * requests in the three calibration runs [(host seconds, steps,
+    tokens, ...)] of CALIBRATION, BURST and CALIBRATION requests (solved exactly; where that
+    needs a negative cost, the first two runs give step_ms and token_ms alone)."""
+    import numpy as np
+
+    system = [(steps, tokens, n) for (_, steps, tokens, *_), n in
+              zip(runs, (CALIBRATION, BURST, CALIBRATION))]  # fmt: skip
+    try:
+        costs = np.linalg.solve(np.array(system, float), np.array([run[0] for run in runs]))
+    except np.linalg.LinAlgError:
+        costs = np.array([-1.0])
+    if (costs >= 0).all():
+        return dict(zip(("step_ms", "token_ms", "request_ms"), (1e3 * costs).tolist()))
+    return {**two_run_costs(runs[:2]), "request_ms": 0.0}
+
+
+def two_run_costs(runs) -> dict:
     """{step_ms, token_ms} such that host seconds = step_ms * steps + token_ms * tokens in
-    both calibration runs [(host seconds, steps, tokens, ...)] (solved exactly; where that
-    needs a negative cost, or the runs cannot tell the two apart, all of it is per step)."""
+    both runs (solved exactly; where that needs a negative cost, or the runs cannot tell the
+    two apart, all of it is per step)."""
     (h1, s1, t1), (h2, s2, t2) = (run[:3] for run in runs)
     det = s1 * t2 - s2 * t1
     step = (h1 * t2 - h2 * t1) / det if det else -1.0
@@ -509,8 +536,8 @@ def main() -> None:
 
     def calibration_costs(mode: str, cost: Path, calibration) -> dict:
         """Host costs of the mode's groups ({name: {latency_ms, step_ms, token_ms,
-        step_scale}}). The engine's: no HTTP, and its loop's measured time per token
-        (engine_runner). The servers': step_ms and token_ms from their host time in the
+        request_ms, step_scale}}). The engine's: no HTTP, and its loop's measured time per
+        token (engine_runner). The servers': step_ms, token_ms and request_ms from their host time in the
         calibration runs (host_costs); a prefill server's step_scale, how much longer than
         its profile's its model steps ran (the KV it sends, the core it shares); the front
         group's latency_ms, what the requests timed one at a time (just before the first
@@ -524,8 +551,8 @@ def main() -> None:
         for name, runs in zip(names, usage):
             print(f"{mode} {name}: host " + ", ".join(
                 f"{1e3 * h / max(1, n):.2f} ms a step ({t / max(1, n):.1f} tokens a step)"
-                for h, n, t, *_ in runs) + " -> step_ms {step_ms:.2f}, token_ms {token_ms:.2f}"
-                .format(**host[name]), flush=True)  # fmt: skip
+                for h, n, t, *_ in runs) + " -> step_ms {step_ms:.2f}, token_ms {token_ms:.2f}, "
+                "request_ms {request_ms:.2f}".format(**host[name]), flush=True)  # fmt: skip
         if mode == "1p1d":
             # The prefill server's steps run longer than its profile's: it exports and sends
             # each layer's KV from inside them, and it shares its core with the client and
@@ -537,7 +564,7 @@ def main() -> None:
             steps = calibration[3]
             ratio = step_ratios(steps, cost)["ratio"]
             alone = simulate(cluster(mode, cost, noise=False), ROOT, spaced)["groups"]["p"]
-            (*_, cpu), (*_, burst_wall, burst_cpu) = usage[0]
+            (*_, cpu), (*_, burst_wall, burst_cpu) = usage[0][:2]
             host["p"]["step_scale"] = ratio
             print(f"1p1d p: {len(steps)} steps in the burst ran {ratio:.2f}x the profile's "
                   f"prediction -> step_scale {ratio:.2f} (its steps' CPU one at a time "
@@ -612,7 +639,7 @@ def main() -> None:
     for mode in dict.fromkeys(row[0] for row in untimed):
         with_host = [r for r in rows if r[0] == mode]
         print(
-            f"{mode}: mean absolute error {mean_error(with_host):.1%} with step_ms, token_ms "
+            f"{mode}: mean absolute error {mean_error(with_host):.1%} with step_ms, token_ms, request_ms "
             f"and step_scale, {mean_error([r for r in untimed if r[0] == mode]):.1%} without"
         )
     print("'fixed': every step takes the profile's time; the other rows draw each step's time "

@@ -16,11 +16,12 @@ JSON, checked with errors naming the field.
       # hops; added to every time its client sees), step_ms and token_ms (host time a step
       # and a sampled token cost outside the runner: the engine loop's bookkeeping, a front
       # end on the same cores taking each step's outputs and streaming them; added to each
-      # step, and per row that samples), step_scale (its steps take this times the cost
-      # model's time: a server measured slower than its profile, e.g. by the KV it sends
-      # from inside a prefill step; default 1), step_noise: false (a
-      # profiled group's steps take the fitted time exactly instead of straying as its
-      # profile's runs did)
+      # step, and per row that samples), request_ms (host time a request costs once, its
+      # HTTP and tokenization: added to the first step that schedules it), step_scale (its
+      # steps take this times the cost model's time: a server measured slower than its
+      # profile, e.g. by the KV it sends from inside a prefill step; default 1),
+      # step_noise: false (a profiled group's steps take the fitted time exactly instead of
+      # straying as its profile's runs did)
 
 Prefill/decode disaggregation: groups with `role: prefill` and `role: decode`, and a link
 between them (KV transfer time = bytes / bandwidth + latency, overlapped layer by layer):
@@ -66,6 +67,7 @@ class GroupSpec:
     token_s: float = 0.0  # host time per sampled token outside the runner: added to its step
     step_s: float = 0.0  # host time per step outside the runner: added to each
     step_scale: float = 1.0  # its steps take this times the cost model's time
+    request_s: float = 0.0  # host time a request costs once: added to its first step
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,7 @@ def _group(g: dict, i: int, model: ModelSpec, base: Path) -> GroupSpec:
     for name, value in (("prefix_caching", caching), ("step_noise", noise)):
         if not isinstance(value, bool):
             raise ValueError(f"{where}.{name} must be true or false, got {value!r}")
-    host = {k: g.get(k, 0.0) for k in ("latency_ms", "token_ms", "step_ms")}
+    host = {k: g.get(k, 0.0) for k in ("latency_ms", "token_ms", "step_ms", "request_ms")}
     for name, value in host.items():
         if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0):
             raise ValueError(f"{where}.{name} must be a number >= 0, got {value!r}")
@@ -174,7 +176,7 @@ def _group(g: dict, i: int, model: ModelSpec, base: Path) -> GroupSpec:
     return GroupSpec(g.get("name", f"group{i}"), count, cost, kv, hardware, tp,
                      float(g.get("price_per_hour", price)), role, caching,
                      host["latency_ms"] / 1000, noise, host["token_ms"] / 1000,
-                     host["step_ms"] / 1000, float(scale))  # fmt: skip
+                     host["step_ms"] / 1000, float(scale), host["request_ms"] / 1000)  # fmt: skip
 
 
 def _hardware(value, where: str) -> Hardware:

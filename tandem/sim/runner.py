@@ -13,6 +13,9 @@ instance's host outside the runner (the engine loop's schedule, update and messa
 end on the same cores receiving each step's outputs, detokenizing and streaming them): the
 cost model times the runner alone, and on a CPU server this work takes the same cores, so
 every step ends that much later, and one with more rows that sample later still.
+`request_seconds` is what each request costs the host once (receiving it over HTTP,
+tokenizing its prompt): charged to the first step that schedules it, it delays that step and
+every request waiting behind it; under load these land while other requests' steps run.
 `scale` stretches the cost model's time itself: an instance whose steps run slower than its
 profile's (a prefill server exporting and sending KV from inside its steps)."""
 
@@ -37,6 +40,7 @@ class SimulatedRunner:
         token_seconds: float = 0.0,
         step_seconds: float = 0.0,
         scale: float = 1.0,
+        request_seconds: float = 0.0,
     ) -> None:
         self.cost_model, self.clock = cost_model, clock
         # centred on their mean: the profile's time is its runs' median, and a right tail (a
@@ -45,7 +49,8 @@ class SimulatedRunner:
         mean = sum(noise) / len(noise) if noise else 1.0
         self.noise, self._rng = tuple(r / mean for r in noise), random.Random(seed)
         self.token_seconds, self.step_seconds = token_seconds, step_seconds
-        self.scale = scale
+        self.scale, self.request_seconds = scale, request_seconds
+        self._seen: set[str] = set()  # requests whose arrival the host has paid for
         self.busy_seconds = 0.0  # virtual seconds spent computing, for utilisation
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
@@ -56,6 +61,11 @@ class SimulatedRunner:
             seconds *= self.noise[int(self._rng.random() * len(self.noise))]
         sampled = {s.request.request_id: [SIM_TOKEN] for s in plan.scheduled if s.sample}
         seconds += self.step_seconds + self.token_seconds * len(sampled)
+        if self.request_seconds:
+            self._seen.difference_update(plan.finished_ids)
+            arrived = {s.request.request_id for s in plan.scheduled} - self._seen
+            self._seen |= arrived
+            seconds += self.request_seconds * len(arrived)
         self.clock.advance(seconds)
         self.busy_seconds += seconds
         return RunnerOutput(sampled=sampled)

@@ -99,7 +99,8 @@ class Instance:
         )
         noise = cost.noise if group.step_noise else ()
         self.runner = SimulatedRunner(cost, self.clock, noise, zlib.crc32(name.encode()),
-                                      group.token_s, group.step_s, group.step_scale)  # fmt: skip
+                                      group.token_s, group.step_s, group.step_scale,
+                                      group.request_s)  # fmt: skip
         self.core = EngineCore(scheduler, self.runner, self.clock)
         self.state = WorkerState(name, name)
         self.backlog: list[tuple[SimRequest, str]] = []  # decode: waiting for room to reserve

@@ -100,6 +100,22 @@ def test_a_groups_step_cost_lengthens_every_step_and_adds_to_its_token_cost(tmp_
     assert ClusterSpec.load(path).groups[0].step_s == pytest.approx(0.001)
 
 
+def test_a_groups_request_cost_lengthens_the_first_step_of_each_request_once(tmp_path):
+    # Steps of 10 ms, plus 3 ms for each request a step schedules for the first time (its HTTP
+    # and tokenization). r0's prefill: 13 ms, its decodes 10; r1 (t=15 ms) arrives during r0's
+    # second step (13-23 ms), and the step that takes it in runs 13 ms; then 10 ms a step.
+    requests = [SimRequest(0.0, tuple(range(10)), 5), SimRequest(0.015, tuple(range(50, 60)), 3)]
+    spec = constant_cluster(tmp_path)
+    host = dataclasses.replace(spec.groups[0], request_s=0.003)
+    r0, r1 = Simulation(dataclasses.replace(spec, groups=[host]), requests).run()
+    assert r0.token_times == pytest.approx([0.013, 0.023, 0.036, 0.046, 0.056])
+    assert r1.token_times == pytest.approx([0.036, 0.046, 0.056])
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"model": "llama-3-8b", "groups": [
+        {"cost_model": "cost.json", "kv_tokens": 4096, "request_ms": 3}]}))  # fmt: skip
+    assert ClusterSpec.load(path).groups[0].request_s == pytest.approx(0.003)
+
+
 def test_a_groups_step_scale_stretches_the_cost_models_time_before_its_host_costs(tmp_path):
     # Steps of 10 ms at scale 1.5: 15 ms, plus 1 ms a step (host costs are not scaled). r0
     # alone: 16 ms a step; r1 (t=20 ms) arrives during r0's second (16-32 ms), then both: 16 ms.
@@ -339,6 +355,7 @@ def test_roofline_model_reads_the_weights_once_a_step_and_divides_work_by_tp():
         ({"groups": [{"hardware": "H100", "latency_ms": -1}]}, r"groups\[0\].latency_ms"),
         ({"groups": [{"hardware": "H100", "token_ms": "1"}]}, r"groups\[0\].token_ms"),
         ({"groups": [{"hardware": "H100", "step_ms": -1}]}, r"groups\[0\].step_ms"),
+        ({"groups": [{"hardware": "H100", "request_ms": -1}]}, r"groups\[0\].request_ms"),
         ({"groups": [{"hardware": "H100", "step_scale": 0}]}, r"groups\[0\].step_scale"),
         ({"groups": [{"hardware": {"name": "X", "bf16_tflops": 100}}]}, r"groups\[0\].hardware"),
         (
