@@ -303,34 +303,27 @@ def staged_bench(url: str, *bench_args) -> dict:
 
 
 def host_costs(runs) -> dict:
-    """{step_ms, token_ms, request_ms} such that host seconds = step_ms * steps + token_ms *
-    tokens + request_ms * requests in the three calibration runs [(host seconds, steps,
-    tokens, ...)] of CALIBRATION, BURST and CALIBRATION requests (solved exactly; where that
-    needs a negative cost, the first two runs give step_ms and token_ms alone)."""
+    """{step_ms, token_ms, request_ms} >= 0 fitting host seconds = step_ms * steps + token_ms
+    * tokens + request_ms * requests over the three calibration runs [(host seconds, steps,
+    tokens, ...)] of CALIBRATION, BURST and CALIBRATION requests, in least squares (exact
+    where the three allow it; where that needs a negative cost, the best fit with that cost
+    at 0: non-negative least squares, by trying each subset of the three)."""
+    import itertools
+
     import numpy as np
 
-    system = [(steps, tokens, n) for (_, steps, tokens, *_), n in
-              zip(runs, (CALIBRATION, BURST, CALIBRATION))]  # fmt: skip
-    try:
-        costs = np.linalg.solve(np.array(system, float), np.array([run[0] for run in runs]))
-    except np.linalg.LinAlgError:
-        costs = np.array([-1.0])
-    if (costs >= 0).all():
-        return dict(zip(("step_ms", "token_ms", "request_ms"), (1e3 * costs).tolist()))
-    return {**two_run_costs(runs[:2]), "request_ms": 0.0}
-
-
-def two_run_costs(runs) -> dict:
-    """{step_ms, token_ms} such that host seconds = step_ms * steps + token_ms * tokens in
-    both runs (solved exactly; where that needs a negative cost, or the runs cannot tell the
-    two apart, all of it is per step)."""
-    (h1, s1, t1), (h2, s2, t2) = (run[:3] for run in runs)
-    det = s1 * t2 - s2 * t1
-    step = (h1 * t2 - h2 * t1) / det if det else -1.0
-    token = (s1 * h2 - s2 * h1) / det if det else -1.0
-    if step < 0 or token < 0:
-        step, token = (h1 + h2) / (s1 + s2), 0.0
-    return {"step_ms": 1e3 * step, "token_ms": 1e3 * token}
+    a = np.array([(steps, tokens, n) for (_, steps, tokens, *_), n in
+                  zip(runs, (CALIBRATION, BURST, CALIBRATION))], float)  # fmt: skip
+    h = np.array([run[0] for run in runs], float)
+    best = (float("inf"), np.zeros(3))
+    for size in (3, 2, 1):
+        for keep in map(list, itertools.combinations(range(3), size)):
+            costs = np.zeros(3)
+            costs[keep] = np.linalg.lstsq(a[:, keep], h, rcond=None)[0]
+            residual = float(np.linalg.norm(a @ costs - h))
+            if (costs >= 0).all() and residual < best[0] - 1e-12:
+                best = (residual, costs)
+    return dict(zip(("step_ms", "token_ms", "request_ms"), (1e3 * best[1]).tolist()))
 
 
 def sim_requests(args, rate: float, point: int, n: int | None = None):
