@@ -54,6 +54,14 @@ def test_one_instance_with_a_constant_step_time_gives_the_hand_computed_latencie
     assert result["groups"]["g"]["utilization"] == pytest.approx(1.0)
 
 
+def loaded_group(tmp_path, **fields):
+    """The first group of a cluster file giving a profiled group these fields."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"model": "llama-3-8b", "groups": [
+        {"cost_model": "cost.json", "kv_tokens": 4096, **fields}]}))  # fmt: skip
+    return ClusterSpec.load(path).groups[0]
+
+
 def test_a_groups_latency_delays_every_time_its_client_sees_and_nothing_else(tmp_path):
     requests = [SimRequest(0.0, tuple(range(10)), 5), SimRequest(0.015, tuple(range(50, 60)), 3)]
     plain = Simulation(constant_cluster(tmp_path), requests).run()
@@ -64,10 +72,7 @@ def test_a_groups_latency_delays_every_time_its_client_sees_and_nothing_else(tmp
         assert b.first_token == pytest.approx(a.first_token + 0.2)
         assert b.token_times == pytest.approx([t + 0.2 for t in a.token_times])
     # and from the cluster file, in milliseconds
-    path = tmp_path / "c.json"
-    path.write_text(json.dumps({"model": "llama-3-8b", "groups": [
-        {"cost_model": "cost.json", "kv_tokens": 4096, "latency_ms": 200}]}))  # fmt: skip
-    assert ClusterSpec.load(path).groups[0].latency_s == pytest.approx(0.2)
+    assert loaded_group(tmp_path, latency_ms=200).latency_s == pytest.approx(0.2)
 
 
 def test_a_groups_token_cost_lengthens_each_step_by_its_sampling_rows(tmp_path):
@@ -79,10 +84,7 @@ def test_a_groups_token_cost_lengthens_each_step_by_its_sampling_rows(tmp_path):
     r0, r1 = Simulation(spec, requests).run()
     assert r0.token_times == pytest.approx([0.012, 0.024, 0.038, 0.052, 0.066])
     assert r1.token_times == pytest.approx([0.038, 0.052, 0.066])
-    path = tmp_path / "c.json"
-    path.write_text(json.dumps({"model": "llama-3-8b", "groups": [
-        {"cost_model": "cost.json", "kv_tokens": 4096, "token_ms": 2}]}))  # fmt: skip
-    assert ClusterSpec.load(path).groups[0].token_s == pytest.approx(0.002)
+    assert loaded_group(tmp_path, token_ms=2).token_s == pytest.approx(0.002)
 
 
 def test_a_groups_step_cost_lengthens_every_step_and_adds_to_its_token_cost(tmp_path):
@@ -94,10 +96,7 @@ def test_a_groups_step_cost_lengthens_every_step_and_adds_to_its_token_cost(tmp_
     r0, r1 = Simulation(dataclasses.replace(spec, groups=[host]), requests).run()
     assert r0.token_times == pytest.approx([0.013, 0.026, 0.041, 0.056, 0.071])
     assert r1.token_times == pytest.approx([0.041, 0.056, 0.071])
-    path = tmp_path / "c.json"
-    path.write_text(json.dumps({"model": "llama-3-8b", "groups": [
-        {"cost_model": "cost.json", "kv_tokens": 4096, "step_ms": 1}]}))  # fmt: skip
-    assert ClusterSpec.load(path).groups[0].step_s == pytest.approx(0.001)
+    assert loaded_group(tmp_path, step_ms=1).step_s == pytest.approx(0.001)
 
 
 def test_a_groups_request_cost_lengthens_the_first_step_of_each_request_once(tmp_path):
@@ -110,10 +109,7 @@ def test_a_groups_request_cost_lengthens_the_first_step_of_each_request_once(tmp
     r0, r1 = Simulation(dataclasses.replace(spec, groups=[host]), requests).run()
     assert r0.token_times == pytest.approx([0.013, 0.023, 0.036, 0.046, 0.056])
     assert r1.token_times == pytest.approx([0.036, 0.046, 0.056])
-    path = tmp_path / "c.json"
-    path.write_text(json.dumps({"model": "llama-3-8b", "groups": [
-        {"cost_model": "cost.json", "kv_tokens": 4096, "request_ms": 3}]}))  # fmt: skip
-    assert ClusterSpec.load(path).groups[0].request_s == pytest.approx(0.003)
+    assert loaded_group(tmp_path, request_ms=3).request_s == pytest.approx(0.003)
 
 
 def test_a_groups_step_scale_stretches_the_cost_models_time_before_its_host_costs(tmp_path):
@@ -125,10 +121,7 @@ def test_a_groups_step_scale_stretches_the_cost_models_time_before_its_host_cost
     r0, r1 = Simulation(dataclasses.replace(spec, groups=[slow]), requests).run()
     assert r0.token_times == pytest.approx([0.016, 0.032, 0.048, 0.064])
     assert r1.token_times == pytest.approx([0.048, 0.064])
-    path = tmp_path / "c.json"
-    path.write_text(json.dumps({"model": "llama-3-8b", "groups": [
-        {"cost_model": "cost.json", "kv_tokens": 4096, "step_scale": 1.5}]}))  # fmt: skip
-    assert ClusterSpec.load(path).groups[0].step_scale == 1.5
+    assert loaded_group(tmp_path, step_scale=1.5).step_scale == 1.5
 
 
 def noisy_cluster(tmp_path, noise, step_noise=True):
