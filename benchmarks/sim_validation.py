@@ -34,11 +34,11 @@ measured in its warm-up). A server's host time outside its model steps (its API 
 taking each step's outputs and streaming them, its engine core's loop and messages: CPU time
 of both processes, less the core's in model steps, read from /proc and /metrics) is fitted
 as step_ms per step plus token_ms per sampled token plus request_ms per request (its HTTP and
-tokenization, on the same core) over three calibration runs: CALIBRATION requests one at a
-time, BURST at a concurrency of 8, and CALIBRATION more one at a time with one output token
-each. What the one-at-a-time requests take
-beyond their simulated steps (HTTP, tokenization, the proxy's hops and the decode side's KV
-import) is the fixed cost the simulated front group gets as latency_ms. The prefill
+tokenization, on the same core) over three calibration runs, in non-negative least squares:
+CALIBRATION requests one at a time, BURST at a concurrency of 8, and CALIBRATION more one at a
+time with one output token each. What the one-at-a-time requests take beyond their
+simulated steps (HTTP, tokenization, the proxy's hops and the decode side's KV import) is the
+fixed cost the simulated front group gets as latency_ms. The prefill
 server's steps also run longer than its profile's (it sends each layer's KV from inside
 them, and shares its core): its group's step_scale, its logged steps in the calibration burst
 over the profile's prediction for their shapes.
@@ -530,11 +530,11 @@ def main() -> None:
     def calibration_costs(mode: str, cost: Path, calibration) -> dict:
         """Host costs of the mode's groups ({name: {latency_ms, step_ms, token_ms,
         request_ms, step_scale}}). The engine's: no HTTP, and its loop's measured time per
-        token (engine_runner). The servers': step_ms, token_ms and request_ms from their host time in the
-        calibration runs (host_costs); a prefill server's step_scale, how much longer than
-        its profile's its model steps ran (the KV it sends, the core it shares); the front
-        group's latency_ms, what the requests timed one at a time (just before the first
-        rate: priced with its profiles) took beyond their simulated steps."""
+        token (engine_runner). The servers': step_ms, token_ms and request_ms from their host
+        time in the calibration runs (host_costs); a prefill server's step_scale, how much
+        longer than its profile's its model steps ran (the KV it sends, the core it shares);
+        the front group's latency_ms, what the requests timed one at a time (just before the
+        first rate: priced with its profiles) took beyond their simulated steps."""
         if mode == "engine":
             print(f"engine: its loop took {calibration:.2f} ms a sampled token", flush=True)
             return {"local": {"token_ms": calibration}}
@@ -632,8 +632,9 @@ def main() -> None:
     for mode in dict.fromkeys(row[0] for row in untimed):
         with_host = [r for r in rows if r[0] == mode]
         print(
-            f"{mode}: mean absolute error {mean_error(with_host):.1%} with step_ms, token_ms, request_ms "
-            f"and step_scale, {mean_error([r for r in untimed if r[0] == mode]):.1%} without"
+            f"{mode}: mean absolute error {mean_error(with_host):.1%} with step_ms, token_ms, "
+            f"request_ms and step_scale, "
+            f"{mean_error([r for r in untimed if r[0] == mode]):.1%} without"
         )
     print("'fixed': every step takes the profile's time; the other rows draw each step's time "
           "from the spread of the profile's single runs (its step_noise), 'loaded' from the "
