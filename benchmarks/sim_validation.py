@@ -28,9 +28,9 @@ step_noise; the `fixed` rows take the fitted time exactly). The profile runs on 
 a server's steps share theirs with its API process and spread wider, so in served mode the
 `loaded` rows draw each step's time from the spread of the server's own steps in the
 calibration burst instead (TANDEM_STEP_LOG: each step's shape and seconds, over the
-profile's prediction for that shape, centred on 1; seeds no point uses). In engine mode the simulated
-group's token_ms is the engine loop's own time per sampled token (schedule and update,
-measured in its warm-up). A server's host time outside its model steps (its API process
+profile's prediction for that shape, which the simulated runner centres on their mean; seeds
+no point uses). In engine mode the simulated group's token_ms is the engine loop's own time
+per sampled token (schedule and update, measured in its warm-up). A server's host time outside its model steps (its API process
 taking each step's outputs and streaming them, its engine core's loop and messages: CPU time
 of both processes, less the core's in model steps, read from /proc and /metrics) is fitted
 as step_ms per step plus token_ms per sampled token plus request_ms per request (its HTTP and
@@ -191,14 +191,10 @@ def loaded_noise(steps, cost: Path) -> tuple[float, ...]:
     of the profile's own step_noise (20 equally likely ratios, which the runner centres on
     their mean): the host costs (step_ms, token_ms) carry the mean of what load adds; this,
     how unevenly it lands."""
-    import statistics
-
     from tandem.core.cost_model import CostModel, noise_quantiles
 
     model = CostModel.load(cost)
-    ratios = noise_quantiles([[t] for *_, t in steps], [model.predict(s) for s, *_ in steps])
-    middle = statistics.median(ratios)
-    return tuple(r / middle for r in ratios)
+    return noise_quantiles([[t] for *_, t in steps], [model.predict(s) for s, *_ in steps])
 
 
 def with_noise(cost: Path, noise: tuple[float, ...], path: Path) -> Path:
@@ -583,7 +579,7 @@ def main() -> None:
             noise = loaded_noise(burst, costs[0][0])
             quiet = CostModel.load(costs[0][0]).noise
             print(f"{mode}: {len(burst)} steps in the burst; spread (10th / 50th / 90th / "
-                  f"largest ratio) {noise[2]:.2f} / 1 / {noise[17]:.2f} / {noise[-1]:.2f}, the "
+                  f"largest ratio) {noise[2]:.2f} / {noise[10]:.2f} / {noise[17]:.2f} / {noise[-1]:.2f}, the "
                   f"profile's {quiet[2]:.2f} / {quiet[10]:.2f} / {quiet[17]:.2f} / {quiet[-1]:.2f}",
                   flush=True)  # fmt: skip
         for i, (rate, real, (cost, _)) in enumerate(zip(rates, reals, costs)):

@@ -54,6 +54,7 @@ class SimulatedRunner:
         self.busy_seconds = 0.0  # virtual seconds spent computing, for utilisation
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        self._seen.difference_update(plan.finished_ids)  # an empty plan may end requests too
         if plan.is_empty:
             return RunnerOutput()
         seconds = self.cost_model.predict(plan.shape) * self.scale
@@ -62,7 +63,6 @@ class SimulatedRunner:
         sampled = {s.request.request_id: [SIM_TOKEN] for s in plan.scheduled if s.sample}
         seconds += self.step_seconds + self.token_seconds * len(sampled)
         if self.request_seconds:
-            self._seen.difference_update(plan.finished_ids)
             arrived = {s.request.request_id for s in plan.scheduled} - self._seen
             self._seen |= arrived
             seconds += self.request_seconds * len(arrived)
