@@ -18,8 +18,8 @@ weight is instead dequantized to bf16 a cache-sized slice at a time (C++,
 kernels/dequant.cpp) and each slice multiplied while it is still in cache
 (benchmarks/quant_linear.py measures both). Where the CPU has AMX, an int4 weight's dense
 steps are one C++ call instead (int4_gemm: each 64-row block dequantized into AMX's operand
-order and multiplied by oneDNN's brgemm in place), 2-3.8x faster than the slices there,
-used from 5 rows (AMX_KERNEL_MAX_ROWS) to about 240 (AMX_GEMM_MAX_ROWS). The kernels take
+order and multiplied in place: by AMX tile instructions a 32-column chunk at a time up to
+16 rows, by oneDNN's brgemm past them), 2-3.8x faster than the slices there, used from 2 rows (AMX_KERNEL_MAX_ROWS) to about 240 (AMX_GEMM_MAX_ROWS). The kernels take
 bfloat16 activations (float32 ones take a scalar path 20-60x slower), so a float32 model's
 activations are rounded to bf16 around each quantized matmul.
 """
@@ -110,9 +110,10 @@ class QuantizedLinear(nn.Module, ABC):
     # ... and of torch's kernels and a bf16 copy prepacked at load (keep_dense_copy): 9.6 vs
     # 12.0 ms a step at 8 rows, 16.9 vs 13.0 at 12 (`python benchmarks/quant_linear.py`)
     COPY_KERNEL_MAX_ROWS = 10
-    # ... and of torch's kernels and int4_gemm where the CPU has AMX (Int4Linear.amx): 8.5 vs
-    # 10.1 ms a step at 4 rows, 13.9 vs 9.9 at 6 (an AMX Xeon, `benchmarks/quant_linear.py`)
-    AMX_KERNEL_MAX_ROWS = 4
+    # ... and of torch's kernels and int4_gemm where the CPU has AMX (Int4Linear.amx): the
+    # default model's projections and head 5.0 vs 6.3 ms a step at 1 row, 6.3 vs 6.1 at 2,
+    # 8.7 vs 6.2 at 4 (an AMX Xeon; int4_gemm's tile path, dequant.cpp)
+    AMX_KERNEL_MAX_ROWS = 1
     # Rows torch's CPU weight-only kernels compute per pass over the weights (BLOCK_M of aten's
     # int4 and int8 kernels): each pass dequantizes every weight again, so 5 rows cost about
     # as much as 8 (one 1536x576 Q4_1 projection: 26 us at 4 rows, 49 at 5).
@@ -224,9 +225,9 @@ class Int4Linear(QuantizedLinear):
     # (49152 x 576) the kernel is 3.2x faster at 1 row and 1.3x at 8, dense 1.1x faster at 12,
     # 1.2x at 16 and 2x at 32 (`python benchmarks/quant_linear.py --head`).
     TWO_TERM_KERNEL_MAX_ROWS = 10
-    # With AMX's int4_gemm the head's dense path wins from 3 rows: 1.87 vs 2.15 ms at 2 rows,
-    # 2.22 vs 2.20 at 3, 2.68 vs 2.08 at 4 (an AMX Xeon, `python benchmarks/quant_linear.py --head`).
-    AMX_TWO_TERM_KERNEL_MAX_ROWS = 2
+    # With AMX's int4_gemm the head's dense path wins from 2 rows: 1.95 vs 1.58 ms at 2 rows,
+    # 1.54 vs 1.62 at 1 (an AMX Xeon, `python benchmarks/quant_linear.py --head`).
+    AMX_TWO_TERM_KERNEL_MAX_ROWS = 1
     # int4_gemm's brgemm calls run at about a third of AMX's matmul rate, so past ~250 rows
     # the slices' one oneDNN matmul each wins back its reorders: the model's projections 50.8
     # vs 63.1 ms at 192 rows, 62.9 vs 60.5 at 256, 442 vs 227 at 2048 (an AMX Xeon)

@@ -57,7 +57,7 @@ def _int4_layer(n, k, group, seed=0):
 AMX = kernels.dequant() is not None and kernels.dequant().amx()
 # where quantized layers change kernels (see quant.py): with AMX's int4_gemm dense wins sooner
 QUANT_ROWS = (
-    KernelRows(wide=4, head=2, tile=4, gemm=240) if AMX else KernelRows(wide=32, head=10, tile=4)
+    KernelRows(wide=1, head=1, tile=4, gemm=240) if AMX else KernelRows(wide=32, head=10, tile=4)
 )
 
 
@@ -343,13 +343,14 @@ def test_quantization_flags_are_checked_before_anything_loads(checkpoints):
 
 def test_a_two_term_layer_switches_to_dense_sooner_and_computes_the_same_either_way():
     """Q8_0 (two int4 terms) runs the kernel only up to TWO_TERM_KERNEL_MAX_ROWS rows: each
-    term dequantizes per row, so dense wins sooner. Both paths compute the layer's weights."""
+    term dequantizes per row, so dense wins sooner (with AMX's tile path, from 2 rows for
+    both). Both paths compute the layer's weights."""
     torch.manual_seed(0)
     w = torch.randn(128, 64)
     layer = Int4Linear(64, 128, [int4_term(*t) for t in quantize_int8_groups(w, 32)], "Q8_0")
     _, single = _int4_layer(128, 64, 32)
     assert single.kernel_max_rows == QUANT_ROWS.wide
-    assert layer.kernel_max_rows == QUANT_ROWS.head < single.kernel_max_rows
+    assert layer.kernel_max_rows == QUANT_ROWS.head <= single.kernel_max_rows  # AMX: both 1
     ref, dense_rows = layer.dequantize(), []
     dense = layer.dense
     layer.dense = lambda x: dense_rows.append(x.shape[0]) or dense(x)
@@ -378,7 +379,8 @@ def test_dense_matmuls_meet_only_padded_row_counts_and_give_the_rows_asked_for()
 @pytest.mark.parametrize("terms", [1, 2])
 def test_with_amx_a_dense_step_multiplies_the_same_bf16_weights_a_block_at_a_time(terms):
     """int4_gemm (AMX): each 64-row block dequantized into AMX's order and multiplied by
-    brgemm, 32 input rows a call; the same bf16 weights as the sliced path, so the same
+    brgemm, 32 input rows a call (up to 16 rows: by tile instructions, 32 columns at a time);
+    the same bf16 weights as the sliced path, so the same
     products up to the order of the sums, for any row count and an output width that is not
     a multiple of 64; past AMX_GEMM_MAX_ROWS rows, the slices again. Without AMX it is never chosen, and refuses if called."""
     torch.manual_seed(terms)
@@ -394,17 +396,21 @@ def test_with_amx_a_dense_step_multiplies_the_same_bf16_weights_a_block_at_a_tim
                 kernels.dequant().int4_gemm(out, torch.zeros(2, 128).bfloat16(), *args, 32)
         return
     calls, gemm = [], kernels.dequant().int4_gemm
-    for rows in (1, 31, 32, 33, 100, Int4Linear.AMX_GEMM_MAX_ROWS + 1):
+    for rows in (1, 5, 16, 17, 31, 32, 33, 100, Int4Linear.AMX_GEMM_MAX_ROWS + 1):
         x = torch.randn(rows, 128).to(torch.bfloat16)
         with patch.object(kernels.dequant(), "int4_gemm", lambda o, x, *a: calls.append(len(x)) or gemm(o, x, *a)):  # fmt: skip
             y = layer.dense(x)
         assert y.shape == (rows, 100) and y.dtype == torch.bfloat16
         assert torch.allclose(y.float(), layer._dense(x).float(), rtol=1e-2, atol=1e-2)
         assert _close(y, x.float() @ layer.dequantize().t())
-    assert calls == [1, 31, 32, 33, 100]  # past AMX_GEMM_MAX_ROWS rows the slices win
-    # one-hot rows read the weights back: the blocks hold the slices' bf16 numbers to the bit
-    weights = layer.dense(torch.eye(128, dtype=torch.bfloat16))
-    assert torch.equal(weights, layer.dequant_t(0, 128)[:, :100])
+    assert calls == [1, 5, 16, 17, 31, 32, 33, 100]  # past AMX_GEMM_MAX_ROWS the slices win
+    # one-hot rows read the weights back: the blocks hold the slices' bf16 numbers to the bit,
+    # through brgemm (128 rows) and through the tile path (16 rows a call)
+    eye, expected = torch.eye(128, dtype=torch.bfloat16), layer.dequant_t(0, 128)[:, :100]
+    assert torch.equal(layer.dense(eye), expected)
+    assert torch.equal(
+        torch.cat([layer.dense(eye[r : r + 16]) for r in range(0, 128, 16)]), expected
+    )
 
 
 @pytest.mark.parametrize("kind", ["int4", "Q8_0", "int8"])
