@@ -18,9 +18,10 @@ weight is instead dequantized to bf16 a cache-sized slice at a time (C++,
 kernels/dequant.cpp) and each slice multiplied while it is still in cache
 (benchmarks/quant_linear.py measures both). Where the CPU has AMX, an int4 weight's dense
 steps are one C++ call instead (int4_gemm: each 64-row block dequantized into AMX's operand
-order and multiplied in place: by AMX tile instructions a 32-column chunk at a time up to
-16 rows, by oneDNN's brgemm past them), 2-3.8x faster than the slices there, used from 2 rows (AMX_KERNEL_MAX_ROWS) to about 240 (AMX_GEMM_MAX_ROWS). The kernels take
-bfloat16 activations (float32 ones take a scalar path 20-60x slower), so a float32 model's
+order and multiplied in place, by AMX tile instructions 32 columns at a time up to 16 rows,
+by oneDNN's brgemm past them), 2-3.8x faster than the slices there, used from 3 rows
+(AMX_KERNEL_MAX_ROWS) to about 240 (AMX_GEMM_MAX_ROWS). The kernels take bfloat16
+activations (float32 ones take a scalar path 20-60x slower), so a float32 model's
 activations are rounded to bf16 around each quantized matmul.
 """
 
@@ -110,10 +111,11 @@ class QuantizedLinear(nn.Module, ABC):
     # ... and of torch's kernels and a bf16 copy prepacked at load (keep_dense_copy): 9.6 vs
     # 12.0 ms a step at 8 rows, 16.9 vs 13.0 at 12 (`python benchmarks/quant_linear.py`)
     COPY_KERNEL_MAX_ROWS = 10
-    # ... and of torch's kernels and int4_gemm where the CPU has AMX (Int4Linear.amx): the
-    # default model's projections and head 5.0 vs 6.3 ms a step at 1 row, 6.3 vs 6.1 at 2,
-    # 8.7 vs 6.2 at 4 (an AMX Xeon; int4_gemm's tile path, dequant.cpp)
-    AMX_KERNEL_MAX_ROWS = 1
+    # ... and of torch's kernels and int4_gemm where the CPU has AMX (Int4Linear.amx; up to 16
+    # rows its tile path, dequant.cpp): 5.9 vs 8.4 ms a step at 1 row, 6.9 vs 8.3 at 2, 7.8 vs
+    # 8.5 at 3, 9.2 vs 8.3 at 4, 28.9 vs 8.3 at 16 (an AMX Xeon, `benchmarks/quant_linear.py`;
+    # on the default model's own weights 3 rows measured the other way, 7.4 vs 6.4)
+    AMX_KERNEL_MAX_ROWS = 2
     # Rows torch's CPU weight-only kernels compute per pass over the weights (BLOCK_M of aten's
     # int4 and int8 kernels): each pass dequantizes every weight again, so 5 rows cost about
     # as much as 8 (one 1536x576 Q4_1 projection: 26 us at 4 rows, 49 at 5).
@@ -225,8 +227,8 @@ class Int4Linear(QuantizedLinear):
     # (49152 x 576) the kernel is 3.2x faster at 1 row and 1.3x at 8, dense 1.1x faster at 12,
     # 1.2x at 16 and 2x at 32 (`python benchmarks/quant_linear.py --head`).
     TWO_TERM_KERNEL_MAX_ROWS = 10
-    # With AMX's int4_gemm the head's dense path wins from 2 rows: 1.95 vs 1.58 ms at 2 rows,
-    # 1.54 vs 1.62 at 1 (an AMX Xeon, `python benchmarks/quant_linear.py --head`).
+    # With AMX's int4_gemm the head's dense path wins from 2 rows: 2.02 vs 1.69 ms at 2 rows,
+    # 1.53 vs 1.62 at 1 (an AMX Xeon, `python benchmarks/quant_linear.py --head`).
     AMX_TWO_TERM_KERNEL_MAX_ROWS = 1
     # int4_gemm's brgemm calls run at about a third of AMX's matmul rate, so past ~250 rows
     # the slices' one oneDNN matmul each wins back its reorders: the model's projections 50.8

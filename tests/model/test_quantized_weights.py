@@ -57,7 +57,7 @@ def _int4_layer(n, k, group, seed=0):
 AMX = kernels.dequant() is not None and kernels.dequant().amx()
 # where quantized layers change kernels (see quant.py): with AMX's int4_gemm dense wins sooner
 QUANT_ROWS = (
-    KernelRows(wide=1, head=1, tile=4, gemm=240) if AMX else KernelRows(wide=32, head=10, tile=4)
+    KernelRows(wide=2, head=1, tile=4, gemm=240) if AMX else KernelRows(wide=32, head=10, tile=4)
 )
 
 
@@ -343,14 +343,13 @@ def test_quantization_flags_are_checked_before_anything_loads(checkpoints):
 
 def test_a_two_term_layer_switches_to_dense_sooner_and_computes_the_same_either_way():
     """Q8_0 (two int4 terms) runs the kernel only up to TWO_TERM_KERNEL_MAX_ROWS rows: each
-    term dequantizes per row, so dense wins sooner (with AMX's tile path, from 2 rows for
-    both). Both paths compute the layer's weights."""
+    term dequantizes per row, so dense wins sooner. Both paths compute the layer's weights."""
     torch.manual_seed(0)
     w = torch.randn(128, 64)
     layer = Int4Linear(64, 128, [int4_term(*t) for t in quantize_int8_groups(w, 32)], "Q8_0")
     _, single = _int4_layer(128, 64, 32)
     assert single.kernel_max_rows == QUANT_ROWS.wide
-    assert layer.kernel_max_rows == QUANT_ROWS.head <= single.kernel_max_rows  # AMX: both 1
+    assert layer.kernel_max_rows == QUANT_ROWS.head < single.kernel_max_rows
     ref, dense_rows = layer.dequantize(), []
     dense = layer.dense
     layer.dense = lambda x: dense_rows.append(x.shape[0]) or dense(x)
