@@ -403,6 +403,8 @@ def test_with_amx_a_dense_step_multiplies_the_same_bf16_weights_a_block_at_a_tim
         assert torch.allclose(y.float(), layer._dense(x).float(), rtol=1e-2, atol=1e-2)
         assert _close(y, x.float() @ layer.dequantize().t())
     assert calls == [1, 5, 16, 17, 31, 32, 33, 100]  # past AMX_GEMM_MAX_ROWS the slices win
+    empty = torch.empty(0, 100, dtype=torch.bfloat16)  # no rows: nothing to do, no crash
+    gemm(empty, torch.empty(0, 128, dtype=torch.bfloat16), *([t.packed for t in layer.terms], [t.scales_zeros for t in layer.terms]), 32)  # fmt: skip
     # one-hot rows read the weights back: the blocks hold the slices' bf16 numbers to the bit,
     # through brgemm (128 rows) and through the tile path (16 rows a call)
     eye, expected = torch.eye(128, dtype=torch.bfloat16), layer.dequant_t(0, 128)[:, :100]

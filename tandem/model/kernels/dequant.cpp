@@ -331,7 +331,8 @@ struct alignas(64) TileConfig {
 // L2 first and then makes a call that reads it back. At decode sizes the brgemm call cost as
 // much as the dequantization (perf, 16 rows: 30% of a projection's samples each).
 // Tiles: 0-3 the [m, 64] float accumulators, 16 columns each; 4 x's [m, 32] bf16; 5-7 W's
-// [32, 16] in VNNI pairs, in turn.
+// [32, 16] in VNNI pairs, in turn. (int4_gemm's amx() check, oneDNN's, has asked Linux for
+// the process's AMX state before any of this runs: without it the first tile op faults.)
 template <int terms>
 void gemm_terms_tiles(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* ps,
                       const at::BFloat16* const* szs, int64_t m, int64_t n, int64_t n_out,
@@ -464,6 +465,7 @@ void int4_gemm(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tenso
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kBFloat16 && out.dim() == 2 &&
                   out.size(0) == m && n_out <= w.n,
               "out: contiguous bfloat16 [m, n_out], n_out <= n");
+  if (m == 0) return;  // (a tile configuration of no rows is invalid: the CPU faults on it)
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
 #ifdef TANDEM_AMX_TILES
