@@ -30,18 +30,18 @@ a server's steps share theirs with its API process and spread wider, so in serve
 calibration burst instead (TANDEM_STEP_LOG: each step's shape and seconds, over the
 profile's prediction for that shape, which the simulated runner centres on their mean; seeds
 no point uses). In engine mode the simulated group's token_ms is the engine loop's own time
-per sampled token (schedule and update, measured in its warm-up). A server's host time outside its model steps (its API process
-taking each step's outputs and streaming them, its engine core's loop and messages: CPU time
-of both processes, less the core's in model steps, read from /proc and /metrics) is fitted
-as step_ms per step plus token_ms per sampled token plus request_ms per request (its HTTP and
-tokenization, on the same core) over three calibration runs, in non-negative least squares:
-CALIBRATION requests one at a time, BURST at a concurrency of 8, and CALIBRATION more one at a
-time with one output token each. What the one-at-a-time requests take beyond their
-simulated steps (HTTP, tokenization, the proxy's hops and the decode side's KV import) is the
-fixed cost the simulated front group gets as latency_ms. The prefill
-server's steps also run longer than its profile's (it sends each layer's KV from inside
-them, and shares its core): its group's step_scale, its logged steps in the calibration burst
-over the profile's prediction for their shapes.
+per sampled token (schedule and update, measured in its warm-up). A server's host time outside
+its model steps (its API process taking each step's outputs and streaming them, its engine
+core's loop and messages: CPU time of both processes, less the core's in model steps, read
+from /proc and /metrics) is fitted as step_ms per step plus token_ms per sampled token plus
+request_ms per request (its HTTP and tokenization, on the same core) over three calibration
+runs, in non-negative least squares: CALIBRATION requests one at a time, BURST at a
+concurrency of 8, and CALIBRATION more one at a time with one output token each. What the
+one-at-a-time requests take beyond their simulated steps (HTTP, tokenization, the proxy's hops
+and the decode side's KV import) is the fixed cost the simulated front group gets as
+latency_ms. The prefill server's steps also run longer than its profile's (it sends each
+layer's KV from inside them, and shares its core): its group's step_scale, its logged steps in
+the calibration burst over the profile's prediction for their shapes.
 
 Every tandem server logs its steps (the served one's, 1p1d's prefill and decode server's): for
 each rate the script prints the gaps between a server's steps and how their seconds compare

@@ -387,10 +387,10 @@ def test_with_amx_a_dense_step_multiplies_the_same_bf16_weights_a_block_at_a_tim
     quantized = [quantize_int4(w, 32)] if terms == 1 else quantize_int8_groups(w, 32)
     layer = Int4Linear(128, 100, [int4_term(*t) for t in quantized], "t")
     assert layer.amx == AMX
+    args = [t.packed for t in layer.terms], [t.scales_zeros for t in layer.terms]
     if not AMX:
         if kernels.dequant() is not None:
             out = torch.empty(2, 100, dtype=torch.bfloat16)
-            args = [t.packed for t in layer.terms], [t.scales_zeros for t in layer.terms]
             with pytest.raises(RuntimeError, match="int4_gemm needs AMX"):
                 kernels.dequant().int4_gemm(out, torch.zeros(2, 128).bfloat16(), *args, 32)
         return
@@ -404,7 +404,7 @@ def test_with_amx_a_dense_step_multiplies_the_same_bf16_weights_a_block_at_a_tim
         assert _close(y, x.float() @ layer.dequantize().t())
     assert calls == [1, 5, 16, 17, 31, 32, 33, 100]  # past AMX_GEMM_MAX_ROWS the slices win
     empty = torch.empty(0, 100, dtype=torch.bfloat16)  # no rows: nothing to do, no crash
-    gemm(empty, torch.empty(0, 128, dtype=torch.bfloat16), *([t.packed for t in layer.terms], [t.scales_zeros for t in layer.terms]), 32)  # fmt: skip
+    gemm(empty, torch.empty(0, 128, dtype=torch.bfloat16), *args, 32)
     # one-hot rows read the weights back: the blocks hold the slices' bf16 numbers to the bit,
     # through brgemm (128 rows) and through the tile path (16 rows a call)
     eye, expected = torch.eye(128, dtype=torch.bfloat16), layer.dequant_t(0, 128)[:, :100]

@@ -285,6 +285,20 @@ at::BFloat16* block_buffer(int64_t elems) {
   return buffer.data();
 }
 
+// Rows [0, rows) of a block's float products (acc: 64 floats a row) into out's columns
+// [col, col + cols), rounded to bf16.
+inline void store_rows(at::BFloat16* out, int64_t n_out, int64_t col, int64_t cols,
+                       const float* acc, int64_t rows) {
+  for (int64_t i = 0; i < rows; ++i) {
+    at::BFloat16* dst = out + i * n_out + col;
+    int64_t j = 0;
+#ifdef __AVX512F__
+    for (; j + 16 <= cols; j += 16) store_bf16(dst + j, _mm512_load_ps(acc + i * 64 + j));
+#endif
+    for (; j < cols; ++j) dst[j] = acc[i * 64 + j];
+  }
+}
+
 template <int terms>
 void gemm_terms(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* ps,
                 const at::BFloat16* const* szs, int64_t m, int64_t n, int64_t n_out, int64_t k,
@@ -299,14 +313,7 @@ void gemm_terms(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* 
       for (int64_t m0 = 0; m0 < m; m0 += GEMM_ROWS) {
         const int64_t rows = std::min(GEMM_ROWS, m - m0);
         at::native::cpublas::brgemm(rows, 64, k, k, 64, 64, false, x + m0 * k, w, acc);
-        for (int64_t i = 0; i < rows; ++i) {
-          at::BFloat16* dst = out + (m0 + i) * n_out + b * 64;
-          int64_t j = 0;
-#ifdef __AVX512F__
-          for (; j + 16 <= cols; j += 16) store_bf16(dst + j, _mm512_load_ps(acc + i * 64 + j));
-#endif
-          for (; j < cols; ++j) dst[j] = acc[i * 64 + j];
-        }
+        store_rows(out + m0 * n_out, n_out, b * 64, cols, acc, rows);
       }
     }
     at::native::cpublas::brgemm_release();
@@ -380,13 +387,7 @@ void gemm_terms_tiles(at::BFloat16* out, const at::BFloat16* x, const uint8_t* c
       _tile_stored(1, acc + 16, 256);
       _tile_stored(2, acc + 32, 256);
       _tile_stored(3, acc + 48, 256);
-      const int64_t cols = std::min<int64_t>(64, n_out - b * 64);
-      for (int64_t i = 0; i < m; ++i) {
-        at::BFloat16* dst = out + i * n_out + b * 64;
-        int64_t j = 0;
-        for (; j + 16 <= cols; j += 16) store_bf16(dst + j, _mm512_load_ps(acc + i * 64 + j));
-        for (; j < cols; ++j) dst[j] = acc[i * 64 + j];
-      }
+      store_rows(out, n_out, b * 64, std::min<int64_t>(64, n_out - b * 64), acc, m);
     }
     _tile_release();
   });
