@@ -54,7 +54,7 @@ class KernelRows:
     dequantize their weights once for a dense matmul; past `head` sampled rows the output
     head does. Up to them, each pass of the kernel computes `tile` rows and reads and
     dequantizes every weight again: a step's cost is a staircase in its rows. Where the
-    dense path itself changes past `gemm` rows (AMX: a fused dequantize-and-multiply per
+    dense path itself changes past `gemm` rows (int4_gemm: a fused dequantize-and-multiply per
     block up to them, dearer per row; dequantized slices past them, dearer per step), a
     dense step's rows up to `gemm` cost extra per row, and a step past them a constant."""
 

@@ -9,7 +9,7 @@ with the same kernels as model/llama.py, so its output equals the Python path's 
 It runs only where it computes exactly what the Python layers would: every projection int4
 (a GGUF's own blocks or --quantization int4), the fused kernels and the decode-attention
 kernel bound, a KV cache in the compute dtype, and, per step, only single-token rows, no more
-than the int4 kernel's row limit (or, where the CPU has AMX, int4_gemm's: 240), with no
+than the int4 kernel's row limit (or, where int4_gemm runs, its own: 240 on AMX), with no
 per-layer hook (a prefill instance's KV sender). At 16 running requests on an AMX Xeon a
 decode step of the default model takes ~4 ms less through it (18 vs 22 ms,
 `python benchmarks/fused_layers.py`).
@@ -87,15 +87,15 @@ def build_decode_stack(model: nn.Module, fused) -> DecodeStack | None:
 
 
 def _gemm(p: Int4Linear) -> bool:
-    """Whether the layer's steps past its kernel's rows go through int4_gemm (AMX)."""
-    return p.can_dense and p.amx and p.dense_copy is None
+    """Whether the layer's steps past its kernel's rows go through int4_gemm."""
+    return p.can_dense and p.gemm_max_rows > 0
 
 
 def _max_rows(p: Int4Linear) -> int:
     """Rows up to which the stack computes this projection as the layer would: past its
-    kernel's rows, int4_gemm's (AMX); past those, the layer's slices, which the stack lacks."""
+    kernel's rows, int4_gemm's; past those, the layer's slices, which the stack lacks."""
     if _gemm(p):
-        return p.AMX_GEMM_MAX_ROWS
+        return p.gemm_max_rows
     return p.kernel_max_rows if p.can_dense else sys.maxsize  # no dense path: the kernel
 
 

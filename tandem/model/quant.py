@@ -16,11 +16,12 @@ at one row they are about 5x faster than a bf16 matmul on this project's whole w
 stream from memory), level at 16 rows, 2x slower at 64. Past KERNEL_MAX_ROWS rows the
 weight is instead dequantized to bf16 a cache-sized slice at a time (C++,
 kernels/dequant.cpp) and each slice multiplied while it is still in cache
-(benchmarks/quant_linear.py measures both). Where the CPU has AMX, an int4 weight's dense
-steps are one C++ call instead (int4_gemm: each 64-row block dequantized into AMX's operand
-order and multiplied in place, by AMX tile instructions 32 columns at a time up to 16 rows,
-by oneDNN's brgemm past them), 2-3.8x faster than the slices there, used from 3 rows
-(AMX_KERNEL_MAX_ROWS) to about 240 (AMX_GEMM_MAX_ROWS). The kernels take bfloat16
+(benchmarks/quant_linear.py measures both). Where the CPU has AMX or AVX512-BF16, an int4
+weight's dense steps are one C++ call instead (int4_gemm: each 64-row block dequantized into
+AMX's operand order and multiplied in place; with AMX by tile instructions 32 columns at a time
+up to 16 rows, by oneDNN's brgemm past them, 2-3.8x faster than the slices there, used from 3
+rows to about 240; without, by vdpbf16ps 32 columns at a time, from 5 rows on): the layer's
+`gemm` path and the row counts in GEMM_KERNEL_MAX_ROWS and GEMM_MAX_ROWS. The kernels take bfloat16
 activations (float32 ones take a scalar path 20-60x slower), so a float32 model's
 activations are rounded to bf16 around each quantized matmul.
 """
@@ -111,11 +112,13 @@ class QuantizedLinear(nn.Module, ABC):
     # ... and of torch's kernels and a bf16 copy prepacked at load (keep_dense_copy): 9.6 vs
     # 12.0 ms a step at 8 rows, 16.9 vs 13.0 at 12 (`python benchmarks/quant_linear.py`)
     COPY_KERNEL_MAX_ROWS = 10
-    # ... and of torch's kernels and int4_gemm where the CPU has AMX (Int4Linear.amx; up to 16
-    # rows its tile path, dequant.cpp): 5.9 vs 8.4 ms a step at 1 row, 6.9 vs 8.3 at 2, 7.8 vs
+    # ... and of torch's kernels and int4_gemm, by its path here (Int4Linear.gemm, dequant.cpp):
+    # "amx", up to 16 rows its tile path: 5.9 vs 8.4 ms a step at 1 row, 6.9 vs 8.3 at 2, 7.8 vs
     # 8.5 at 3, 9.2 vs 8.3 at 4, 28.9 vs 8.3 at 16 (an AMX Xeon, `benchmarks/quant_linear.py`;
-    # on the default model's own weights 3 rows measured the other way, 7.4 vs 6.4)
-    AMX_KERNEL_MAX_ROWS = 2
+    # on the default model's own weights 3 rows measured the other way, 7.4 vs 6.4); "dot"
+    # (vdpbf16ps, no AMX): 4.9 vs 7.6 ms at 1 row, 7.9 vs 8.8 at 4, 14.0 vs 9.6 at 5 (torch's
+    # kernel passes 4 rows at a time), 26.9 vs 16.3 at 16 (an AVX-512 EPYC)
+    GEMM_KERNEL_MAX_ROWS = {"amx": 2, "dot": 4}
     # Rows torch's CPU weight-only kernels compute per pass over the weights (BLOCK_M of aten's
     # int4 and int8 kernels): each pass dequantizes every weight again, so 5 rows cost about
     # as much as 8 (one 1536x576 Q4_1 projection: 26 us at 4 rows, 49 at 5).
@@ -137,7 +140,7 @@ class QuantizedLinear(nn.Module, ABC):
         # else torch's kernels for every size
         self.can_dense = self.CUDA_DENSE if self.on_cuda else kernels.dequant() is not None
         self.dense_copy: PackedLinear | None = None  # keep_dense_copy's bf16 weight
-        self.amx = False  # dense steps through int4_gemm (Int4Linear, where the CPU has AMX)
+        self.gemm = ""  # int4_gemm's path for the dense steps (Int4Linear): "amx", "dot" or none
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The usual call (2-D bf16 activations, no bias) skips the reshapes and casts: at one
@@ -163,7 +166,7 @@ class QuantizedLinear(nn.Module, ABC):
             return self.COPY_KERNEL_MAX_ROWS
         if self.on_cuda:
             return self.CUDA_KERNEL_MAX_ROWS
-        return self.AMX_KERNEL_MAX_ROWS if self.amx else self.KERNEL_MAX_ROWS
+        return self.GEMM_KERNEL_MAX_ROWS[self.gemm] if self.gemm else self.KERNEL_MAX_ROWS
 
     def keep_dense_copy(self) -> None:
         """Hold W in bf16 too, prepacked for oneDNN once: a step past kernel_max_rows then
@@ -227,31 +230,41 @@ class Int4Linear(QuantizedLinear):
     # (49152 x 576) the kernel is 3.2x faster at 1 row and 1.3x at 8, dense 1.1x faster at 12,
     # 1.2x at 16 and 2x at 32 (`python benchmarks/quant_linear.py --head`).
     TWO_TERM_KERNEL_MAX_ROWS = 10
-    # With AMX's int4_gemm the head's dense path wins from 2 rows: 2.02 vs 1.69 ms at 2 rows,
-    # 1.53 vs 1.62 at 1 (an AMX Xeon, `python benchmarks/quant_linear.py --head`).
-    AMX_TWO_TERM_KERNEL_MAX_ROWS = 1
-    # int4_gemm's brgemm calls run at about a third of AMX's matmul rate, so past ~250 rows
-    # the slices' one oneDNN matmul each wins back its reorders: the model's projections 50.8
-    # vs 63.1 ms at 192 rows, 62.9 vs 60.5 at 256, 442 vs 227 at 2048 (an AMX Xeon)
-    AMX_GEMM_MAX_ROWS = 240
+    # With int4_gemm the head's dense path wins sooner: on AMX from 2 rows, 2.02 vs 1.69 ms at 2
+    # rows, 1.53 vs 1.62 at 1 (an AMX Xeon, `python benchmarks/quant_linear.py --head`); on the
+    # dot path from 3 rows: 4.05 vs 4.57 at 2, 4.85 vs 4.77 at 3, 5.73 vs 5.13 at 4 (the EPYC)
+    GEMM_TWO_TERM_KERNEL_MAX_ROWS = {"amx": 1, "dot": 2}
+    # Rows up to which int4_gemm runs the dense steps, by path. AMX's brgemm calls run at about
+    # a third of its matmul rate, so past ~250 rows the slices' one oneDNN matmul each wins back
+    # its reorders: the model's projections 50.8 vs 63.1 ms at 192 rows, 62.9 vs 60.5 at 256,
+    # 442 vs 227 at 2048 (an AMX Xeon). Without AMX oneDNN's bf16 matmul is bound by the same
+    # vdpbf16ps as int4_gemm's dot path, which did not fall behind the slices at any size:
+    # 49.7 vs 62.3 ms at 64 rows, 169 vs 190 at 256, 1421 vs 1432 at 2048 (the EPYC)
+    GEMM_MAX_ROWS = {"amx": 240, "dot": 4096}
 
     def __init__(self, in_features, out_features, terms: list[Int4Term], fmt: str, bias=None):
         super().__init__(in_features, out_features, bias, terms[0].packed.is_cuda)
         self.terms, self.fmt = terms, fmt
         self.padded_rows = terms[0].scales_zeros.shape[1]
-        # Where the CPU has AMX, dense steps of up to AMX_GEMM_MAX_ROWS rows dequantize and
-        # multiply a block at a time in one C++ call (dequant.cpp's int4_gemm).
-        self.amx = self.can_dense and not self.on_cuda and kernels.dequant().amx()
+        # Where the CPU has AMX or AVX512-BF16, dense steps of up to GEMM_MAX_ROWS rows
+        # dequantize and multiply a block at a time in one C++ call (dequant.cpp's int4_gemm).
+        if self.can_dense and not self.on_cuda:
+            self.gemm = kernels.dequant().gemm_path()
 
     @property
     def kernel_max_rows(self) -> int:
         if len(self.terms) == 1:
             return super().kernel_max_rows
-        two_term = self.AMX_TWO_TERM_KERNEL_MAX_ROWS if self.amx else self.TWO_TERM_KERNEL_MAX_ROWS
+        two_term = self.GEMM_TWO_TERM_KERNEL_MAX_ROWS.get(self.gemm, self.TWO_TERM_KERNEL_MAX_ROWS)
         return min(super().kernel_max_rows, two_term)
 
+    @property
+    def gemm_max_rows(self) -> int:
+        """Rows up to which the dense steps go through int4_gemm (0: never)."""
+        return self.GEMM_MAX_ROWS[self.gemm] if self.gemm and self.dense_copy is None else 0
+
     def dense(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.amx or self.dense_copy is not None or x.shape[0] > self.AMX_GEMM_MAX_ROWS:
+        if x.shape[0] > self.gemm_max_rows:
             return super().dense(x)
         out = x.new_empty(x.shape[0], self.out_features)
         packed, scales_zeros = [t.packed for t in self.terms], [t.scales_zeros for t in self.terms]

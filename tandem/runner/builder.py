@@ -83,13 +83,13 @@ def kernel_rows(model, device: torch.device) -> KernelRows:
     body = [m.kernel_max_rows for m in model.modules()
             if isinstance(m, QuantizedLinear) and m.can_dense and m is not head]  # fmt: skip
     quantized = any(isinstance(m, QuantizedLinear) for m in model.modules())
-    amx = any(m.amx and m.dense_copy is None for m in model.modules()
-              if isinstance(m, QuantizedLinear) and m is not head)  # fmt: skip
+    gemm = [m.gemm_max_rows for m in model.modules()
+            if isinstance(m, Int4Linear) and m.gemm_max_rows and m is not head]  # fmt: skip
     return KernelRows(
         wide=max(body, default=None),
         head=head.kernel_max_rows if isinstance(head, QuantizedLinear) and head.can_dense else None,
         tile=QuantizedLinear.CPU_ROW_TILE if quantized and device.type == "cpu" else None,
-        gemm=Int4Linear.AMX_GEMM_MAX_ROWS if amx else None,
+        gemm=max(gemm, default=None),
     )
 
 

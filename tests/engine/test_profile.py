@@ -104,9 +104,15 @@ def test_profile_of_quantized_weights_fits_the_kernels_passes_over_the_weights(
     printed = capsys.readouterr().out
     model = CostModel.load(out)
     # int4 projections on torch's CPU kernels, 4 rows a pass, dense past 32 rows; the 8-bit
-    # head (two int4 terms, so two passes a tile) dense past 10; where AMX makes dense
-    # cheaper (int4_gemm), past 2 rows and 1, and the dense path's own switch at 240
-    amx = kernels.dequant() is not None and kernels.dequant().amx()
-    assert model.kernels == (KernelRows(wide=2, head=1, tile=4, gemm=240) if amx else KernelRows(wide=32, head=10, tile=4))  # fmt: skip
+    # head (two int4 terms, so two passes a tile) dense past 10; where int4_gemm makes dense
+    # cheaper, past 2 rows and 1 and its own switch at 240 (AMX), past 4 and 2 up to 4,096
+    # (AVX512-BF16)
+    gemm = kernels.dequant().gemm_path() if kernels.dequant() is not None else ""
+    expected = {
+        "amx": KernelRows(wide=2, head=1, tile=4, gemm=240),
+        "dot": KernelRows(wide=4, head=2, tile=4, gemm=4096),
+        "": KernelRows(wide=32, head=10, tile=4),
+    }[gemm]
+    assert model.kernels == expected
     assert "ms/pass of 4 rows over the weights" in printed
     assert "on the grid's decode steps" in printed and "without the passes" in printed

@@ -289,8 +289,9 @@ def test_the_decode_stack_runs_decode_steps_with_the_python_layers_exact_output(
 
 
 def test_the_decode_stack_runs_steps_of_twenty_rows_exactly(fused, checkpoints):
-    """Past the int4 kernel's rows where the CPU has AMX (8): the stack's projections switch
-    to int4_gemm as the layers do; elsewhere the kernel's limit (32) covers them."""
+    """Past the int4 kernel's rows where int4_gemm runs (2 on AMX, 4 with AVX512-BF16): the
+    stack's projections switch to it as the layers do; elsewhere the kernel's limit (32)
+    covers them."""
     prompts = [[7 + i, 40 + i, 99, 3 * i + 1] for i in range(20)]
     with_stack, ran = _int4_generate(str(checkpoints["llama"]), "bfloat16", True, prompts)
     without, _ = _int4_generate(str(checkpoints["llama"]), "bfloat16", False, prompts)
@@ -298,12 +299,12 @@ def test_the_decode_stack_runs_steps_of_twenty_rows_exactly(fused, checkpoints):
 
 
 def test_the_decode_stack_leaves_steps_past_the_int4_kernels_row_limit_to_the_layers(fused, checkpoints, monkeypatch):  # fmt: skip
-    """Past the int4 kernel's rows (and, on AMX, int4_gemm's) the int4 layers dequantize into
+    """Past the int4 kernel's rows (and int4_gemm's, where it runs) the int4 layers dequantize into
     slices for dense matmuls, which the stack lacks: it must not run those steps (3 rows
     here, limits 2)."""
     monkeypatch.setattr(QuantizedLinear, "KERNEL_MAX_ROWS", 2)
-    monkeypatch.setattr(QuantizedLinear, "AMX_KERNEL_MAX_ROWS", 2)
-    monkeypatch.setattr(Int4Linear, "AMX_GEMM_MAX_ROWS", 2)  # no int4_gemm either
+    monkeypatch.setattr(QuantizedLinear, "GEMM_KERNEL_MAX_ROWS", {"amx": 2, "dot": 2})
+    monkeypatch.setattr(Int4Linear, "GEMM_MAX_ROWS", {"amx": 2, "dot": 2})  # nor int4_gemm
     with_stack, ran = _int4_generate(str(checkpoints["llama"]), "float32", stack=True)
     without, _ = _int4_generate(str(checkpoints["llama"]), "float32", stack=False)
     assert with_stack == without

@@ -178,10 +178,16 @@ def test_a_bf16_model_keeps_its_greedy_tokens_with_the_kernel(prefill, checkpoin
     for (tokens, lps), (ref_tokens, ref_lps) in zip(with_kernel, without):
         assert tokens == ref_tokens
         for got, want in zip(lps, ref_lps):
-            assert got.keys() == want.keys()
             # at most a logit's last bit apart (bf16 logits in [4, 8) are 2^-5 apart; with an
             # int8 cache one in [2, 4) was found a bit apart: 0.0151)
-            assert max(abs(got[t].logprob - lp.logprob) for t, lp in want.items()) <= 2**-5
+            shared = got.keys() & want.keys()
+            assert len(shared) >= 2
+            assert max(abs(got[t].logprob - want[t].logprob) for t in shared) <= 2**-5
+            # a near tie at third place may swap (an AVX-512 EPYC: -3.7087 vs -3.7100), within
+            # the same bound of each other
+            for mine, theirs in ((got, want), (want, got)):
+                for t in mine.keys() - shared:
+                    assert abs(min(lp.logprob for lp in theirs.values()) - mine[t].logprob) <= 2**-5
 
 
 def test_the_runner_binds_it_only_for_bf16_models(prefill, checkpoints):
@@ -205,11 +211,18 @@ def test_the_runner_binds_it_only_for_bf16_models(prefill, checkpoints):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_bf16_model_keeps_its_greedy_tokens_on_sdpa(prefill, checkpoints, arch):
     """The AMX choice: torch's SDPA rounds differently (float32 scores and softmax, no bf16
-    rounding of the scores) but picks the same tokens, logprobs within bf16's resolution."""
+    rounding of the scores) but picks the same tokens, logprobs within bf16's resolution; a
+    sequence may part only at a tie of the grouped path's (on an AVX-512 EPYC, whose SDPA is
+    not AMX's, two tokens at -3.2426 each: SDPA took the second, 0.016 ahead)."""
     path = str(checkpoints[arch])
     on_sdpa, grouped = _generate(path, "sdpa"), _generate(path, "grouped")
+    parted = 0
     for (tokens, lps), (ref_tokens, ref_lps) in zip(on_sdpa, grouped):
-        assert tokens == ref_tokens
-        for token, got, want in zip(tokens, lps, ref_lps):
+        for token, ref_token, got, want in zip(tokens, ref_tokens, lps, ref_lps):
             # the chosen token's; lower down the top 3, near ties may swap
             assert abs(got[token].logprob - want[token].logprob) <= 2**-3
+            if token != ref_token:
+                assert abs(want[token].logprob - want[ref_token].logprob) <= 2**-5
+                parted += 1
+                break  # the contexts differ from here on
+    assert parted <= 1

@@ -54,11 +54,14 @@ def _int4_layer(n, k, group, seed=0):
     return w, Int4Linear(k, n, [int4_term(*quantize_int4(w, group))], f"int4 g{group}")
 
 
-AMX = kernels.dequant() is not None and kernels.dequant().amx()
-# where quantized layers change kernels (see quant.py): with AMX's int4_gemm dense wins sooner
-QUANT_ROWS = (
-    KernelRows(wide=2, head=1, tile=4, gemm=240) if AMX else KernelRows(wide=32, head=10, tile=4)
-)
+# int4_gemm's path on this CPU: "amx", "dot" (AVX512-BF16 without AMX), or "" (none)
+GEMM = kernels.dequant().gemm_path() if kernels.dequant() is not None else ""
+# where quantized layers change kernels (see quant.py): with int4_gemm dense wins sooner
+QUANT_ROWS = {
+    "amx": KernelRows(wide=2, head=1, tile=4, gemm=240),
+    "dot": KernelRows(wide=4, head=2, tile=4, gemm=4096),
+    "": KernelRows(wide=32, head=10, tile=4),
+}[GEMM]
 
 
 def _close(y, ref):
@@ -236,8 +239,8 @@ def test_the_default_model_runs_on_its_gguf_blocks_and_follows_the_float_path():
             assert model.model.layers[0].mlp.down_proj.fmt == "Q4_1"
             assert model.model.embed_tokens.source is model.lm_head  # tied: stored once
         # where the cost model's step time has its steps: the projections turn dense past 32
-        # rows (4 with AMX), the two-term head past 10 sampled rows (2), and torch's kernels
-        # pass 4 rows
+        # rows (fewer with int4_gemm), the two-term head past 10 sampled rows (fewer), and
+        # torch's kernels pass 4 rows
         expected = QUANT_ROWS if method == "gguf" else KernelRows()
         assert kernel_rows(llm.engine.runner.model, torch.device("cpu")) == expected
         del llm
@@ -364,7 +367,7 @@ def test_dense_matmuls_meet_only_padded_row_counts_and_give_the_rows_asked_for()
     the dense path pads its rows to a multiple of DENSE_ROW_BUCKET and returns the rows asked
     for, the numbers the unpadded matmul gives."""
     _, layer = _int4_layer(192, 128, 32)
-    layer.amx = False  # AMX's int4_gemm builds no per-shape kernels and pads nothing
+    layer.gemm = ""  # int4_gemm builds no per-shape kernels and pads nothing
     seen, inner = [], layer._dense
     layer._dense = lambda x: seen.append(x.shape[0]) or inner(x)
     for rows in (33, 48, 300):
@@ -376,37 +379,39 @@ def test_dense_matmuls_meet_only_padded_row_counts_and_give_the_rows_asked_for()
 
 
 @pytest.mark.parametrize("terms", [1, 2])
-def test_with_amx_a_dense_step_multiplies_the_same_bf16_weights_a_block_at_a_time(terms):
-    """int4_gemm (AMX): each 64-row block dequantized into AMX's order and multiplied by
-    brgemm, 32 input rows a call (up to 16 rows: by tile instructions, 32 columns at a time);
-    the same bf16 weights as the sliced path, so the same
-    products up to the order of the sums, for any row count and an output width that is not
-    a multiple of 64; past AMX_GEMM_MAX_ROWS rows, the slices again. Without AMX it is never chosen, and refuses if called."""
+def test_with_int4_gemm_a_dense_step_multiplies_the_same_bf16_weights_a_block_at_a_time(terms):
+    """int4_gemm: each 64-row block dequantized into AMX's order (vdpbf16ps's too) and
+    multiplied, on AMX by brgemm 32 input rows a call (up to 16 rows: by tile instructions, 32
+    columns at a time), without AMX by vdpbf16ps 32 columns at a time; the same bf16 weights as
+    the sliced path, so the same products up to the order of the sums, for any row count and an
+    output width that is not a multiple of 64; past GEMM_MAX_ROWS rows, the slices again. On a
+    CPU with neither it is never chosen, and refuses if called."""
     torch.manual_seed(terms)
     w = torch.randn(100, 128) * 0.05
     quantized = [quantize_int4(w, 32)] if terms == 1 else quantize_int8_groups(w, 32)
     layer = Int4Linear(128, 100, [int4_term(*t) for t in quantized], "t")
-    assert layer.amx == AMX
+    assert layer.gemm == GEMM
     args = [t.packed for t in layer.terms], [t.scales_zeros for t in layer.terms]
-    if not AMX:
+    if not GEMM:
         if kernels.dequant() is not None:
             out = torch.empty(2, 100, dtype=torch.bfloat16)
-            with pytest.raises(RuntimeError, match="int4_gemm needs AMX"):
+            with pytest.raises(RuntimeError, match="int4_gemm needs AMX or AVX512-BF16"):
                 kernels.dequant().int4_gemm(out, torch.zeros(2, 128).bfloat16(), *args, 32)
         return
     calls, gemm = [], kernels.dequant().int4_gemm
-    for rows in (1, 5, 16, 17, 31, 32, 33, 100, Int4Linear.AMX_GEMM_MAX_ROWS + 1):
+    for rows in (1, 5, 16, 17, 31, 32, 33, 100, Int4Linear.GEMM_MAX_ROWS[GEMM] + 1):
         x = torch.randn(rows, 128).to(torch.bfloat16)
         with patch.object(kernels.dequant(), "int4_gemm", lambda o, x, *a: calls.append(len(x)) or gemm(o, x, *a)):  # fmt: skip
             y = layer.dense(x)
         assert y.shape == (rows, 100) and y.dtype == torch.bfloat16
         assert torch.allclose(y.float(), layer._dense(x).float(), rtol=1e-2, atol=1e-2)
         assert _close(y, x.float() @ layer.dequantize().t())
-    assert calls == [1, 5, 16, 17, 31, 32, 33, 100]  # past AMX_GEMM_MAX_ROWS the slices win
+    assert calls == [1, 5, 16, 17, 31, 32, 33, 100]  # past GEMM_MAX_ROWS the slices win
     empty = torch.empty(0, 100, dtype=torch.bfloat16)  # no rows: nothing to do, no crash
     gemm(empty, torch.empty(0, 128, dtype=torch.bfloat16), *args, 32)
     # one-hot rows read the weights back: the blocks hold the slices' bf16 numbers to the bit,
-    # through brgemm (128 rows) and through the tile path (16 rows a call)
+    # through brgemm (128 rows) and through the tile path (16 rows a call) on AMX, through
+    # vdpbf16ps (one-hot: one product, exact, and zeros) without
     eye, expected = torch.eye(128, dtype=torch.bfloat16), layer.dequant_t(0, 128)[:, :100]
     assert torch.equal(layer.dense(eye), expected)
     assert torch.equal(
