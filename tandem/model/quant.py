@@ -116,8 +116,8 @@ class QuantizedLinear(nn.Module, ABC):
     # "amx", up to 16 rows its tile path: 5.9 vs 8.4 ms a step at 1 row, 6.9 vs 8.3 at 2, 7.8 vs
     # 8.5 at 3, 9.2 vs 8.3 at 4, 28.9 vs 8.3 at 16 (an AMX Xeon, `benchmarks/quant_linear.py`;
     # on the default model's own weights 3 rows measured the other way, 7.4 vs 6.4); "dot"
-    # (vdpbf16ps, no AMX): 4.9 vs 7.6 ms at 1 row, 7.9 vs 8.8 at 4, 14.0 vs 9.6 at 5 (torch's
-    # kernel passes 4 rows at a time), 26.9 vs 16.3 at 16 (an AVX-512 EPYC)
+    # (vdpbf16ps, no AMX): 5.5 vs 7.2 ms at 1 row, 7.7 vs 8.1 at 4, 13.9 vs 9.1 at 5 (torch's
+    # kernel passes 4 rows at a time), 26.9 vs 15.8 at 16 (an AVX-512 EPYC)
     GEMM_KERNEL_MAX_ROWS = {"amx": 2, "dot": 4}
     # Rows torch's CPU weight-only kernels compute per pass over the weights (BLOCK_M of aten's
     # int4 and int8 kernels): each pass dequantizes every weight again, so 5 rows cost about
@@ -238,9 +238,10 @@ class Int4Linear(QuantizedLinear):
     # a third of its matmul rate, so past ~250 rows the slices' one oneDNN matmul each wins back
     # its reorders: the model's projections 50.8 vs 63.1 ms at 192 rows, 62.9 vs 60.5 at 256,
     # 442 vs 227 at 2048 (an AMX Xeon). Without AMX oneDNN's bf16 matmul is bound by the same
-    # vdpbf16ps as int4_gemm's dot path, which did not fall behind the slices at any size:
-    # 49.7 vs 62.3 ms at 64 rows, 169 vs 190 at 256, 1421 vs 1432 at 2048 (the EPYC)
-    GEMM_MAX_ROWS = {"amx": 240, "dot": 4096}
+    # vdpbf16ps as int4_gemm's dot path, and level with it past ~1,000 rows: prefill steps of
+    # the default model 188 vs 225-232 ms at 256 tokens, 340-363 vs 402-406 at 512, 628-697 vs
+    # 628-633 at 1,024, 1,368-1,392 vs 1,355-1,363 at 2,048 (the EPYC, offline, alternating)
+    GEMM_MAX_ROWS = {"amx": 240, "dot": 512}
 
     def __init__(self, in_features, out_features, terms: list[Int4Term], fmt: str, bias=None):
         super().__init__(in_features, out_features, bias, terms[0].packed.is_cuda)

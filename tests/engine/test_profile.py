@@ -105,12 +105,12 @@ def test_profile_of_quantized_weights_fits_the_kernels_passes_over_the_weights(
     model = CostModel.load(out)
     # int4 projections on torch's CPU kernels, 4 rows a pass, dense past 32 rows; the 8-bit
     # head (two int4 terms, so two passes a tile) dense past 10; where int4_gemm makes dense
-    # cheaper, past 2 rows and 1 and its own switch at 240 (AMX), past 4 and 2 up to 4,096
+    # cheaper, past 2 rows and 1 and its own switch at 240 (AMX), past 4 and 2 up to 512
     # (AVX512-BF16)
     gemm = kernels.dequant().gemm_path() if kernels.dequant() is not None else ""
     expected = {
         "amx": KernelRows(wide=2, head=1, tile=4, gemm=240),
-        "dot": KernelRows(wide=4, head=2, tile=4, gemm=4096),
+        "dot": KernelRows(wide=4, head=2, tile=4, gemm=512),
         "": KernelRows(wide=32, head=10, tile=4),
     }[gemm]
     assert model.kernels == expected

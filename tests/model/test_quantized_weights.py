@@ -59,7 +59,7 @@ GEMM = kernels.dequant().gemm_path() if kernels.dequant() is not None else ""
 # where quantized layers change kernels (see quant.py): with int4_gemm dense wins sooner
 QUANT_ROWS = {
     "amx": KernelRows(wide=2, head=1, tile=4, gemm=240),
-    "dot": KernelRows(wide=4, head=2, tile=4, gemm=4096),
+    "dot": KernelRows(wide=4, head=2, tile=4, gemm=512),
     "": KernelRows(wide=32, head=10, tile=4),
 }[GEMM]
 

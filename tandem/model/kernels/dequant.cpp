@@ -27,8 +27,8 @@
 //   (gemm_terms_tiles). A bf16 matmul on a plain dequantized slice instead reorders the slice
 //   into that order on every call, and oneDNN builds a kernel for every new row count: on an
 //   AMX Xeon the two cost more than the matmul. Where the CPU has AVX512-BF16 but no AMX
-//   (gemm_path() is "dot"), every row count goes 32 columns at a time through L1 as on the
-//   tiles, multiplied by vdpbf16ps (gemm_terms_dot).
+//   (gemm_path() is "dot"), the block in L2 is multiplied by vdpbf16ps instead, 6 input rows
+//   a pass with their sums in registers (gemm_terms_dot).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -400,19 +400,20 @@ void gemm_terms_tiles(at::BFloat16* out, const at::BFloat16* x, const uint8_t* c
 
 #if defined(__AVX512VBMI__) && defined(__AVX512BF16__)
 #define TANDEM_DOT_GEMM 1
-// Input rows a pass of dot_rows: 4 accumulators a row, W's 4 vectors and x's pair: 29 of 32 zmm.
+// Input rows a pass over a block: 4 accumulators a row, W's 4 vectors and x's pair in 29 of 32 zmm.
 constexpr int kDotRowGroup = 6;
 
-// acc[R][64] += x[R rows, 32 columns] . W's 32 columns wc ([16 pairs][64 rows][2] bf16, the
-// VNNI order dequant_pair writes, which is vdpbf16ps's: a lane's two bf16 are a row's pair).
+// acc[R][64] = x[R rows] . W's block wb (every column, [k / 2][64 rows][2] bf16: the VNNI
+// order dequant_block_vnni writes, which is vdpbf16ps's: a lane's two bf16 are a row's pair),
+// the sums in registers for all of k.
 template <int R>
-inline void dot_chunk(float* acc, const at::BFloat16* x, int64_t k, const at::BFloat16* wc) {
+inline void dot_block_rows(float* acc, const at::BFloat16* x, int64_t k, const at::BFloat16* wb) {
   __m512 a[R][4];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 4; ++v) a[r][v] = _mm512_load_ps(acc + r * 64 + 16 * v);
-  for (int p = 0; p < 16; ++p) {
+    for (int v = 0; v < 4; ++v) a[r][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k / 2; ++p) {
     __m512bh w[4];
-    for (int v = 0; v < 4; ++v) w[v] = (__m512bh)_mm512_load_si512(wc + p * 128 + 32 * v);
+    for (int v = 0; v < 4; ++v) w[v] = (__m512bh)_mm512_load_si512(wb + p * 128 + 32 * v);
     for (int r = 0; r < R; ++r) {
       int32_t pair;
       std::memcpy(&pair, x + r * k + 2 * p, sizeof(pair));
@@ -424,54 +425,38 @@ inline void dot_chunk(float* acc, const at::BFloat16* x, int64_t k, const at::BF
     for (int v = 0; v < 4; ++v) _mm512_store_ps(acc + r * 64 + 16 * v, a[r][v]);
 }
 
-// acc[m][64] += x[m rows, 32 columns] . wc, kDotRowGroup rows a pass over wc (in L1).
-inline void dot_rows(float* acc, const at::BFloat16* x, int64_t k, const at::BFloat16* wc,
-                     int64_t m) {
-  for (int64_t r0 = 0; r0 < m; r0 += kDotRowGroup) {
-    float* a = acc + r0 * 64;
-    const at::BFloat16* xr = x + r0 * k;
-    switch (std::min<int64_t>(kDotRowGroup, m - r0)) {
-      case 1: dot_chunk<1>(a, xr, k, wc); break;
-      case 2: dot_chunk<2>(a, xr, k, wc); break;
-      case 3: dot_chunk<3>(a, xr, k, wc); break;
-      case 4: dot_chunk<4>(a, xr, k, wc); break;
-      case 5: dot_chunk<5>(a, xr, k, wc); break;
-      default: dot_chunk<6>(a, xr, k, wc); break;
-    }
-  }
-}
-
-// gemm_terms where the CPU has AVX512-BF16 but no AMX: as gemm_terms_tiles, each 32 columns
-// of a block dequantized into L1 and multiplied there at once, by vdpbf16ps on registers
-// (sums in a per-thread [m, 64] float buffer between chunks). Against torch's int4 kernel,
-// which dequantizes every 4 rows again, the default model's projections + head 16.3 vs 26.9 ms
-// at 16 rows, 49.7 vs 104 at 64; against the slices (dequantize + oneDNN) 49.7 vs 62.3 at 64,
-// 169 vs 190 at 256 (an AVX-512 EPYC, no AMX: vdpbf16ps bound, as oneDNN's bf16 matmul is).
+// gemm_terms where the CPU has AVX512-BF16 but no AMX: each block dequantized into this
+// thread's buffer (in L2) as for brgemm, then multiplied by vdpbf16ps, kDotRowGroup input
+// rows a pass over it with their sums in registers. Against torch's int4 kernel, which
+// dequantizes every 4 rows again, the default model's projections 12.8 vs 26.8 ms at 16 rows;
+// against the slices (dequantize + oneDNN's bf16 matmul, bound by the same vdpbf16ps) 132 vs
+// 186 at 256, 1,033 vs 1,140 at 2,048 (an AVX-512 EPYC). (32 columns at a time through L1,
+// as the tiles go, with the sums in memory between them: 15.5, 154 and 1,264 ms.)
 template <int terms>
 void gemm_terms_dot(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* ps,
                     const at::BFloat16* const* szs, int64_t m, int64_t n, int64_t n_out,
                     int64_t k, int64_t group) {
   const int64_t blocks = (n_out + 63) / 64;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    const __m512i order = interleave_pairs_index();
-    const __m512 table = nibble_table();
-    alignas(64) at::BFloat16 w[32 * 64];
-    static thread_local std::vector<float> sums;
-    if (static_cast<int64_t>(sums.size()) < m * 64 + 16) sums.resize(m * 64 + 16);
-    float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sums.data()) + 63) & ~uintptr_t(63));
+    at::BFloat16* w = block_buffer(k * 64 + 32);  // + 32: room to align it to 64 bytes
+    w = reinterpret_cast<at::BFloat16*>((reinterpret_cast<uintptr_t>(w) + 63) & ~uintptr_t(63));
+    alignas(64) float acc[kDotRowGroup * 64];
     for (int64_t b = begin; b < end; ++b) {
-      std::memset(acc, 0, sizeof(float) * 64 * m);
-      for (int64_t g = 0; g < k / group; ++g) {
-        __m512 vs[terms][4], vz[4], ls[terms][8], lz[8];
-        load_params<terms>(vs, vz, szs, n, b, g);
-        lane_params<terms>(ls, lz, vs, vz);
-        for (int64_t c0 = g * group; c0 < (g + 1) * group; c0 += 32) {
-          for (int64_t c = 0; c < 32; c += 2)
-            dequant_pair<terms>(w + c * 64, ps, k, b, c0 + c, order, table, ls, lz);
-          dot_rows(acc, x + c0, k, w, m);
+      dequant_block_vnni<terms>(w, ps, szs, n, k, group, b);
+      const int64_t cols = std::min<int64_t>(64, n_out - b * 64);
+      for (int64_t r0 = 0; r0 < m; r0 += kDotRowGroup) {
+        const int64_t rows = std::min<int64_t>(kDotRowGroup, m - r0);
+        const at::BFloat16* xr = x + r0 * k;
+        switch (rows) {
+          case 1: dot_block_rows<1>(acc, xr, k, w); break;
+          case 2: dot_block_rows<2>(acc, xr, k, w); break;
+          case 3: dot_block_rows<3>(acc, xr, k, w); break;
+          case 4: dot_block_rows<4>(acc, xr, k, w); break;
+          case 5: dot_block_rows<5>(acc, xr, k, w); break;
+          default: dot_block_rows<6>(acc, xr, k, w); break;
         }
+        store_rows(out + r0 * n_out, n_out, b * 64, cols, acc, rows);
       }
-      store_rows(out, n_out, b * 64, std::min<int64_t>(64, n_out - b * 64), acc, m);
     }
   });
 }
