@@ -100,12 +100,15 @@ constexpr int64_t kAhead = 2;
 
 // Fetch n rows of d values, `stride` elements apart, toward the cache ahead of their use: a
 // row's slots are scattered across blocks, so the hardware prefetcher does not see them coming.
+// Into L2, not L1 (locality 2, prefetcht1): 30 layers of 16 rows at 450 keys from memory
+// 14.6 -> 11.1 ms on an AVX-512 EPYC, where prefetches into L1 queue on its few miss buffers;
+// no faster on an AMX Xeon (measured there a stop before).
 template <typename C>
 inline void prefetch_rows(const C* rows, int64_t stride, int64_t n, int d) {
   const int64_t bytes = static_cast<int64_t>(d) * sizeof(C);
   for (int64_t i = 0; i < n; ++i) {
     const char* p = reinterpret_cast<const char*>(rows + i * stride);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
   }
 }
 
