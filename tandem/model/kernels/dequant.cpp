@@ -430,8 +430,9 @@ inline void dot_block_rows(float* acc, const at::BFloat16* x, int64_t k, const a
 // rows a pass over it with their sums in registers. Against torch's int4 kernel, which
 // dequantizes every 4 rows again, the default model's projections 12.8 vs 26.8 ms at 16 rows;
 // against the slices (dequantize + oneDNN's bf16 matmul, bound by the same vdpbf16ps) 132 vs
-// 186 at 256, 1,033 vs 1,140 at 2,048 (an AVX-512 EPYC). (32 columns at a time through L1,
-// as the tiles go, with the sums in memory between them: 15.5, 154 and 1,264 ms.)
+// 186 at 256, 1,033 vs 1,140 at 2,048 (an AVX-512 EPYC; the model's prefill steps drew level
+// past ~1,000 rows: Int4Linear.GEMM_MAX_ROWS). (32 columns at a time through L1, as the tiles
+// go, with the sums in memory between them: 15.5, 154 and 1,264 ms.)
 template <int terms>
 void gemm_terms_dot(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* ps,
                     const at::BFloat16* const* szs, int64_t m, int64_t n, int64_t n_out,
