@@ -166,7 +166,7 @@ class QuantizedLinear(nn.Module, ABC):
             return self.COPY_KERNEL_MAX_ROWS
         if self.on_cuda:
             return self.CUDA_KERNEL_MAX_ROWS
-        return self.GEMM_KERNEL_MAX_ROWS[self.gemm] if self.gemm else self.KERNEL_MAX_ROWS
+        return self.GEMM_KERNEL_MAX_ROWS.get(self.gemm, self.KERNEL_MAX_ROWS)
 
     def keep_dense_copy(self) -> None:
         """Hold W in bf16 too, prepacked for oneDNN once: a step past kernel_max_rows then

@@ -382,7 +382,7 @@ def test_dense_matmuls_meet_only_padded_row_counts_and_give_the_rows_asked_for()
 def test_with_int4_gemm_a_dense_step_multiplies_the_same_bf16_weights_a_block_at_a_time(terms):
     """int4_gemm: each 64-row block dequantized into AMX's order (vdpbf16ps's too) and
     multiplied, on AMX by brgemm 32 input rows a call (up to 16 rows: by tile instructions, 32
-    columns at a time), without AMX by vdpbf16ps 32 columns at a time; the same bf16 weights as
+    columns at a time), without AMX by vdpbf16ps 6 input rows a pass; the same bf16 weights as
     the sliced path, so the same products up to the order of the sums, for any row count and an
     output width that is not a multiple of 64; past GEMM_MAX_ROWS rows, the slices again. On a
     CPU with neither it is never chosen, and refuses if called."""

@@ -28,7 +28,7 @@
 //   into that order on every call, and oneDNN builds a kernel for every new row count: on an
 //   AMX Xeon the two cost more than the matmul. Where the CPU has AVX512-BF16 but no AMX
 //   (gemm_path() is "dot"), the block in L2 is multiplied by vdpbf16ps instead, 6 input rows
-//   a pass with their sums in registers (gemm_terms_dot).
+//   a pass with their sums in registers (gemm_terms with dot).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -281,12 +281,14 @@ void dequant_block_vnni(at::BFloat16* o, const uint8_t* const* ps, const at::BFl
 // 2 or 4 blocks of W a call, measured within noise of each other on an AMX Xeon.)
 constexpr int64_t GEMM_ROWS = 32;
 
-// This thread's block buffer, kept between calls: a fresh one each call was zero-filled
-// (and, past glibc's mmap threshold, page-faulted in) for every projection of every step.
+// This thread's block buffer, kept between calls (a fresh one each call was zero-filled, and,
+// past glibc's mmap threshold, page-faulted in, for every projection of every step), aligned
+// to 64 bytes for whole-vector loads.
 at::BFloat16* block_buffer(int64_t elems) {
   static thread_local std::vector<at::BFloat16> buffer;
-  if (static_cast<int64_t>(buffer.size()) < elems) buffer.resize(elems);
-  return buffer.data();
+  if (static_cast<int64_t>(buffer.size()) < elems + 32) buffer.resize(elems + 32);
+  const auto p = reinterpret_cast<uintptr_t>(buffer.data());
+  return reinterpret_cast<at::BFloat16*>((p + 63) & ~uintptr_t(63));
 }
 
 // Rows [0, rows) of a block's float products (acc: 64 floats a row) into out's columns
@@ -303,24 +305,83 @@ inline void store_rows(at::BFloat16* out, int64_t n_out, int64_t col, int64_t co
   }
 }
 
+#if defined(__AVX512VBMI__) && defined(__AVX512BF16__)
+#define TANDEM_DOT_GEMM 1
+// Input rows a pass over a block: 4 accumulators a row, W's 4 vectors and x's pair in 29 of 32 zmm.
+constexpr int64_t kDotRowGroup = 6;
+
+// acc[R][64] = x[R rows] . W's block wb (every column, [k / 2][64 rows][2] bf16: the VNNI
+// order dequant_block_vnni writes, which is vdpbf16ps's: a lane's two bf16 are a row's pair),
+// the sums in registers for all of k.
+template <int R>
+inline void dot_block_rows(float* acc, const at::BFloat16* x, int64_t k, const at::BFloat16* wb) {
+  __m512 a[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) a[r][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k / 2; ++p) {
+    __m512bh w[4];
+    for (int v = 0; v < 4; ++v) w[v] = (__m512bh)_mm512_load_si512(wb + p * 128 + 32 * v);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * k + 2 * p, sizeof(pair));
+      const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < 4; ++v) a[r][v] = _mm512_dpbf16_ps(a[r][v], xr, w[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) _mm512_store_ps(acc + r * 64 + 16 * v, a[r][v]);
+}
+
+// acc[rows][64] = x[rows] . wb for up to kDotRowGroup rows.
+inline void dot_rows(float* acc, const at::BFloat16* x, int64_t k, const at::BFloat16* wb,
+                     int64_t rows) {
+  switch (rows) {
+    case 1: return dot_block_rows<1>(acc, x, k, wb);
+    case 2: return dot_block_rows<2>(acc, x, k, wb);
+    case 3: return dot_block_rows<3>(acc, x, k, wb);
+    case 4: return dot_block_rows<4>(acc, x, k, wb);
+    case 5: return dot_block_rows<5>(acc, x, k, wb);
+    default: return dot_block_rows<6>(acc, x, k, wb);
+  }
+}
+#endif
+
+// x W^T a block at a time: each 64-row block of W dequantized into this thread's buffer (in
+// L2, VNNI order), then multiplied there by oneDNN's brgemm (AMX), GEMM_ROWS input rows a
+// call, or, with `dot` (AVX512-BF16 without AMX), by vdpbf16ps, kDotRowGroup rows a pass with
+// their sums in registers for all of k. The dot path against torch's int4 kernel, which
+// dequantizes every 4 rows again: the default model's projections 12.8 vs 26.8 ms at 16 rows;
+// against the slices (dequantize + oneDNN's bf16 matmul, bound by the same vdpbf16ps) 132 vs
+// 186 at 256, 1,033 vs 1,140 at 2,048 (an AVX-512 EPYC; the model's prefill steps drew level
+// past ~1,000 rows: Int4Linear.GEMM_MAX_ROWS). (32 columns at a time through L1, as the tiles
+// go, with the sums in memory between them: 15.5, 154 and 1,264 ms.)
 template <int terms>
 void gemm_terms(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* ps,
                 const at::BFloat16* const* szs, int64_t m, int64_t n, int64_t n_out, int64_t k,
-                int64_t group) {
+                int64_t group, bool dot) {
   const int64_t blocks = (n_out + 63) / 64;
+#ifdef TANDEM_DOT_GEMM
+  const int64_t step = dot ? kDotRowGroup : GEMM_ROWS;
+#else
+  const int64_t step = GEMM_ROWS;
+#endif
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     at::BFloat16* w = block_buffer(k * 64);
     alignas(64) float acc[GEMM_ROWS * 64];
     for (int64_t b = begin; b < end; ++b) {
       dequant_block_vnni<terms>(w, ps, szs, n, k, group, b);
       const int64_t cols = std::min<int64_t>(64, n_out - b * 64);
-      for (int64_t m0 = 0; m0 < m; m0 += GEMM_ROWS) {
-        const int64_t rows = std::min(GEMM_ROWS, m - m0);
-        at::native::cpublas::brgemm(rows, 64, k, k, 64, 64, false, x + m0 * k, w, acc);
+      for (int64_t m0 = 0; m0 < m; m0 += step) {
+        const int64_t rows = std::min(step, m - m0);
+#ifdef TANDEM_DOT_GEMM
+        if (dot) dot_rows(acc, x + m0 * k, k, w, rows);
+        else
+#endif
+          at::native::cpublas::brgemm(rows, 64, k, k, 64, 64, false, x + m0 * k, w, acc);
         store_rows(out + m0 * n_out, n_out, b * 64, cols, acc, rows);
       }
     }
-    at::native::cpublas::brgemm_release();
+    if (!dot) at::native::cpublas::brgemm_release();
   });
 }
 
@@ -394,71 +455,6 @@ void gemm_terms_tiles(at::BFloat16* out, const at::BFloat16* x, const uint8_t* c
       store_rows(out, n_out, b * 64, std::min<int64_t>(64, n_out - b * 64), acc, m);
     }
     _tile_release();
-  });
-}
-#endif
-
-#if defined(__AVX512VBMI__) && defined(__AVX512BF16__)
-#define TANDEM_DOT_GEMM 1
-// Input rows a pass over a block: 4 accumulators a row, W's 4 vectors and x's pair in 29 of 32 zmm.
-constexpr int kDotRowGroup = 6;
-
-// acc[R][64] = x[R rows] . W's block wb (every column, [k / 2][64 rows][2] bf16: the VNNI
-// order dequant_block_vnni writes, which is vdpbf16ps's: a lane's two bf16 are a row's pair),
-// the sums in registers for all of k.
-template <int R>
-inline void dot_block_rows(float* acc, const at::BFloat16* x, int64_t k, const at::BFloat16* wb) {
-  __m512 a[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 4; ++v) a[r][v] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < k / 2; ++p) {
-    __m512bh w[4];
-    for (int v = 0; v < 4; ++v) w[v] = (__m512bh)_mm512_load_si512(wb + p * 128 + 32 * v);
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * k + 2 * p, sizeof(pair));
-      const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
-      for (int v = 0; v < 4; ++v) a[r][v] = _mm512_dpbf16_ps(a[r][v], xr, w[v]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 4; ++v) _mm512_store_ps(acc + r * 64 + 16 * v, a[r][v]);
-}
-
-// gemm_terms where the CPU has AVX512-BF16 but no AMX: each block dequantized into this
-// thread's buffer (in L2) as for brgemm, then multiplied by vdpbf16ps, kDotRowGroup input
-// rows a pass over it with their sums in registers. Against torch's int4 kernel, which
-// dequantizes every 4 rows again, the default model's projections 12.8 vs 26.8 ms at 16 rows;
-// against the slices (dequantize + oneDNN's bf16 matmul, bound by the same vdpbf16ps) 132 vs
-// 186 at 256, 1,033 vs 1,140 at 2,048 (an AVX-512 EPYC; the model's prefill steps drew level
-// past ~1,000 rows: Int4Linear.GEMM_MAX_ROWS). (32 columns at a time through L1, as the tiles
-// go, with the sums in memory between them: 15.5, 154 and 1,264 ms.)
-template <int terms>
-void gemm_terms_dot(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* ps,
-                    const at::BFloat16* const* szs, int64_t m, int64_t n, int64_t n_out,
-                    int64_t k, int64_t group) {
-  const int64_t blocks = (n_out + 63) / 64;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    at::BFloat16* w = block_buffer(k * 64 + 32);  // + 32: room to align it to 64 bytes
-    w = reinterpret_cast<at::BFloat16*>((reinterpret_cast<uintptr_t>(w) + 63) & ~uintptr_t(63));
-    alignas(64) float acc[kDotRowGroup * 64];
-    for (int64_t b = begin; b < end; ++b) {
-      dequant_block_vnni<terms>(w, ps, szs, n, k, group, b);
-      const int64_t cols = std::min<int64_t>(64, n_out - b * 64);
-      for (int64_t r0 = 0; r0 < m; r0 += kDotRowGroup) {
-        const int64_t rows = std::min<int64_t>(kDotRowGroup, m - r0);
-        const at::BFloat16* xr = x + r0 * k;
-        switch (rows) {
-          case 1: dot_block_rows<1>(acc, xr, k, w); break;
-          case 2: dot_block_rows<2>(acc, xr, k, w); break;
-          case 3: dot_block_rows<3>(acc, xr, k, w); break;
-          case 4: dot_block_rows<4>(acc, xr, k, w); break;
-          case 5: dot_block_rows<5>(acc, xr, k, w); break;
-          default: dot_block_rows<6>(acc, xr, k, w); break;
-        }
-        store_rows(out + r0 * n_out, n_out, b * 64, cols, acc, rows);
-      }
-    }
   });
 }
 #endif
@@ -550,23 +546,16 @@ void int4_gemm(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tenso
   if (m == 0) return;  // (a tile configuration of no rows is invalid: the CPU faults on it)
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
-#ifdef TANDEM_DOT_GEMM
-  if (path == "dot") {
-    TORCH_CHECK(group % 32 == 0, "group: a multiple of 32 without AMX");
-    if (w.count == 1) gemm_terms_dot<1>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group);
-    else gemm_terms_dot<2>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group);
-    return;
-  }
-#endif
+  const bool dot = path == "dot";
 #ifdef TANDEM_AMX_TILES
-  if (m <= kTileRows && group % 32 == 0) {
+  if (!dot && m <= kTileRows && group % 32 == 0) {
     if (w.count == 1) gemm_terms_tiles<1>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group);
     else gemm_terms_tiles<2>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group);
     return;
   }
 #endif
-  if (w.count == 1) gemm_terms<1>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group);
-  else gemm_terms<2>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group);
+  if (w.count == 1) gemm_terms<1>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group, dot);
+  else gemm_terms<2>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group, dot);
 }
 
 }  // namespace
