@@ -65,7 +65,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from pd_disagg import free_port  # noqa: E402
 
 BLOCKS, BLOCK = 2048, 16  # the KV pool both the servers and the simulated instances get
-BATCHED = 2048  # max_num_batched_tokens (the server default)
+BATCHED = 2048  # max_num_batched_tokens (vLLM server's default)
 KEYS = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")
 STATISTIC = "median"  # of a profile point's repeats: what a run of many steps meets
 CALIBRATION, CALIBRATION_POINT = 8, 100  # requests timed one at a time, and their seed offset

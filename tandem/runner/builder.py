@@ -18,7 +18,7 @@ from tandem.core.capacity import (
 )
 from tandem.core.cost_model import KernelRows
 from tandem.core.model_config import ModelConfig
-from tandem.engine.config import DEFAULT_KV_CACHE_GIB, kv_cache_setting
+from tandem.engine.config import DEFAULT_KV_CACHE_GIB, kv_cache_setting, step_token_budget
 from tandem.model.kv_quant import SCALE_BYTES, storage_dtype
 from tandem.model.loader import gguf_file, load_model, resolve_model
 from tandem.model.quant import Int4Linear, QuantizedLinear
@@ -34,6 +34,7 @@ class LoadedRunner:
     model_path: Path  # the HF folder the model was loaded from (a GGUF's converted copy)
     model_config: ModelConfig
     max_model_len: int
+    max_num_batched_tokens: int  # the step budget: as set, else its default for this runner
     num_blocks: int  # KV blocks in the pool, the null block included
     dtype: torch.dtype
     device: torch.device
@@ -72,8 +73,9 @@ def build_model_runner(config) -> LoadedRunner:
         model, mcfg, num_blocks, config.block_size, dtype, device, config.seed,
         config.kv_cache_dtype,
     )  # fmt: skip
-    return LoadedRunner(runner, path, mcfg, max_model_len, num_blocks, dtype, device, weights,
-                        kernel_rows(model, device))  # fmt: skip
+    budget = step_token_budget(config, runner.chunks_in_place)
+    return LoadedRunner(runner, path, mcfg, max_model_len, budget, num_blocks, dtype, device,
+                        weights, kernel_rows(model, device))  # fmt: skip
 
 
 def kernel_rows(model, device: torch.device) -> KernelRows:
@@ -134,10 +136,10 @@ def kv_pool_bytes(config, mcfg: ModelConfig, dtype: torch.dtype, device: torch.d
 def _activation_bytes(config, mcfg: ModelConfig, dtype: torch.dtype) -> int:
     """A generous estimate of the largest step's temporaries: hidden states and MLP
     activations of max_num_batched_tokens, plus float32 logits (and sampling copies) of
-    max_num_seqs rows."""
+    max_num_seqs rows (CUDA only, where chunks never read the cache in place)."""
     per_token = (4 * mcfg.hidden_size + 3 * mcfg.intermediate_size) * dtype.itemsize
     logits = 3 * config.max_num_seqs * mcfg.vocab_size * 4
-    return 2 * config.max_num_batched_tokens * per_token + logits
+    return 2 * step_token_budget(config, chunks_in_place=False) * per_token + logits
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

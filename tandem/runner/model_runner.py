@@ -96,6 +96,9 @@ class ModelRunner:
         )  # fmt: skip
         if prefill_kernel is not None and kv_cache_dtype == "auto" and amx_sdpa():
             attend, prefill_kernel = sdpa_attention, None
+        # every chunk's attention reads the cache in place, one after cached context as cheaply
+        # as a fresh one (the default step budget follows: engine/config.py)
+        self.chunks_in_place = prefill_kernel is not None
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
             attn.prefill_kernel = prefill_kernel

@@ -75,6 +75,35 @@ def test_kv_cache_size_comes_from_the_first_setting_given(monkeypatch):
         kv_cache_setting(EngineConfig())
 
 
+def test_a_set_step_budget_wins_else_it_defaults_by_how_chunks_attend():
+    from tandem.engine.config import step_token_budget
+
+    assert step_token_budget(EngineConfig(max_num_batched_tokens=96), True) == 96
+    assert step_token_budget(EngineConfig(max_num_batched_tokens=96), False) == 96
+    assert step_token_budget(EngineConfig(), chunks_in_place=True) == 512
+    assert step_token_budget(EngineConfig(), chunks_in_place=False) == 2048
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(max_num_batched_tokens=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_engine_schedules_with_its_runners_step_budget(llama_path, dtype):
+    from tandem import LLM
+
+    llm = LLM(str(llama_path), dtype=dtype, kv_cache_memory=0.01, max_model_len=256)
+    runner = llm.engine.runner
+    layers = list(runner.model.attention_layers())
+    # in place: every chunk goes to the C++ kernel on the paged cache, none to SDPA's own path
+    in_place = all(a.prefill_kernel is not None and a.fresh_attend is None for a in layers)
+    assert runner.chunks_in_place == in_place
+    if dtype == "float32":
+        assert not in_place  # only the bf16 kernel reads chunks in place
+    assert llm.engine.scheduler.config.max_num_batched_tokens == (512 if in_place else 2048)
+    set_budget = LLM(str(llama_path), dtype=dtype, kv_cache_memory=0.01, max_model_len=256,
+                     max_num_batched_tokens=64)  # fmt: skip
+    assert set_budget.engine.scheduler.config.max_num_batched_tokens == 64
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "tandem.cli", *args], capture_output=True, text=True, timeout=60
