@@ -112,6 +112,40 @@ inline void prefetch_rows(const C* rows, int64_t stride, int64_t n, int d) {
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// The horizontal sums of up to 16 vectors at once, each summed in vec_reduce_all's order (lane
+// i with i ^ 8, then ^ 4, ^ 2, ^ 1), so each comes out to the bit as hsum's would: a pairwise
+// butterfly whose every step adds two vectors' halves side by side, 2 shuffles and an add a
+// step for every two vectors, where hsum spends 4 shuffles and 4 adds on each vector alone
+// (30 layers of 16 rows at 450 keys, an AVX-512 EPYC: 5.8 -> 4.8 ms from cache, 9.7 -> 9.2
+// from memory; the same outputs to the bit). Missing vectors (n < 16) are zeros, whose sums
+// are never read.
+inline void reduce_each(const Vec* acc, int n, float* out) {
+  if (n == 1) {
+    out[0] = hsum(acc[0]);
+    return;
+  }
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = i < n ? __m512(acc[i]) : _mm512_setzero_ps();
+  __m512 c[8], g[4], m[2];
+  for (int i = 0; i < 8; ++i)  // lane j < 8 of a vector's half: its lanes j + j ^ 8
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // a 128-bit block per vector: + lanes ^ 4
+    g[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // two lanes per vector: + lanes ^ 2
+    m[i] = _mm512_add_ps(_mm512_shuffle_ps(g[2 * i], g[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(g[2 * i], g[2 * i + 1], 0xEE));
+  // + lanes ^ 1: lane 4b + c holds vector 4c + b's sum
+  const __m512 r =
+      _mm512_add_ps(_mm512_shuffle_ps(m[0], m[1], 0x88), _mm512_shuffle_ps(m[0], m[1], 0xDD));
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, _mm512_permutexvar_ps(order, r));
+  for (int i = 0; i < n; ++i) out[i] = sums[i];
+}
+#else
 // out[0:n] = the horizontal sums of acc[0:n].
 inline void reduce_each(const Vec* acc, int n, float* out) {
   int i = 0;
@@ -127,6 +161,7 @@ inline void reduce_each(const Vec* acc, int n, float* out) {
 #endif
   for (; i < n; ++i) out[i] = hsum(acc[i]);
 }
+#endif
 
 // scores[g * ctx + i] = q[g] . rows[i] for kG heads (q: [kG, d] floats) and n rows of d
 // values. Each key is widened once for all kG heads, and two keys go at a time, so 2 * kG
