@@ -24,9 +24,9 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 CPU kernel takes
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")  # stored as tandem/model/kv_quant.py says
 ROLES = ("both", "prefill", "decode")
 # Tokens a step computes when --max-num-batched-tokens is not given: vLLM's server default,
-# except where every prefill chunk's attention reads the paged cache in place (the C++ kernel:
-# CPUs with AVX512-BF16 and no AMX, in bf16), so a chunk after cached context costs what a
-# fresh one does. There smaller chunks let a wave of new prompts start sooner at no cost in
+# except where every prefill chunk's attention reads the paged cache in place (the C++ kernel,
+# on CPUs with AVX512-BF16 in bf16: without AMX, or with an 8-bit KV cache), so a chunk after
+# cached context costs what a fresh one does. There smaller chunks let a wave of new prompts start sooner at no cost in
 # throughput: served random 256/128 at c=16 on an AVX-512 EPYC, mean TTFT 992 vs 1,965 ms and
 # 301 vs 287 output tok/s, ShareGPT 436 vs 680 ms and 332 vs 311, a lone 2,000-token prompt
 # level (1.67-1.85 vs 1.65-1.78 s). Elsewhere a continued chunk gathers its keys and computes
@@ -98,7 +98,8 @@ class EngineConfig:
         None,
         f"most tokens computed in one step (default: {IN_PLACE_CHUNKS_MAX_NUM_BATCHED_TOKENS} "
         "where prefill attention reads the paged KV cache in place for every chunk: bf16 on CPUs "
-        f"with AVX512-BF16 and no AMX; else {DEFAULT_MAX_NUM_BATCHED_TOKENS})",
+        "with AVX512-BF16, without AMX or with an 8-bit KV cache; else "
+        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS})",
         type=int,
     )
     max_model_len: int | None = _flag(
