@@ -1,9 +1,10 @@
 """The default model's matmuls per decode step (30 layers' projections, then the output
 head), with each layer's own weights so they stream from memory as in a real step: bf16
 F.linear, bf16 and float32 oneDNN on weights prepacked at load (tandem's float paths), and the quantized layers' two paths:
-torch's int4 / int8 kernels and dequantize-then-bf16-matmul (`dense`). Prints ms per step
-and each path's speed-up over bf16; QuantizedLinear.KERNEL_MAX_ROWS is where the int4
-kernel stops winning.
+torch's int4 / int8 kernels and dequantize-then-bf16-matmul (`dense`: int4_gemm where the
+CPU has AMX or AVX512-BF16; `int4 dense a8` its int8 activations, where it takes them: AVX512-VNNI
+without AMX). Prints ms per step and each path's speed-up over bf16;
+QuantizedLinear.KERNEL_MAX_ROWS is where the int4 kernel stops winning.
 
     python benchmarks/quant_linear.py [--batches 1,4,16,32,64,256] [--repeats 3]
     python benchmarks/quant_linear.py --head [--batches 1,2,4,8,12,16,32]
@@ -19,6 +20,7 @@ import time
 
 import torch
 
+from tandem.model import kernels
 from tandem.model.quant import Int4Linear, Int8Linear, int4_term, quantize_int4, quantize_int8
 
 LAYER = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out): qkv, o, gate_up, down
@@ -56,7 +58,21 @@ def runners(layers):
         "int4 dense": lambda x, m: m.dense(x),
         "int8 kernel": lambda x, m: m.kernel(x),
         "int8 dense": lambda x, m: m.dense(x),
+        **({"int4 dense a8": _dense_int8_activations} if _int8_activations() else {}),
     }
+
+
+def _int8_activations() -> bool:
+    dequant = kernels.dequant()
+    return dequant is not None and dequant.int8_activations_here()
+
+
+def _dense_int8_activations(x, layer: Int4Linear):
+    layer.int8_activations = True
+    try:
+        return layer.dense(x)
+    finally:
+        layer.int8_activations = False
 
 
 def head(batches: list[int], repeats: int) -> None:
@@ -89,7 +105,7 @@ def main():
         return
     args.batches = args.batches or "1,4,16,32,64,256"
     layers = build()
-    store = {"bf16": "bf16", "bf16 oneDNN": "bf16 oneDNN", "fp32 oneDNN": "fp32 oneDNN", "int4 kernel": "int4", "int4 dense": "int4", "int8 kernel": "int8", "int8 dense": "int8"}  # fmt: skip
+    store = {"bf16": "bf16", "bf16 oneDNN": "bf16 oneDNN", "fp32 oneDNN": "fp32 oneDNN", "int4 kernel": "int4", "int4 dense": "int4", "int8 kernel": "int8", "int8 dense": "int8", "int4 dense a8": "int4"}  # fmt: skip
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; ms per step (layers + head)"
     )

@@ -141,6 +141,8 @@ class QuantizedLinear(nn.Module, ABC):
         self.can_dense = self.CUDA_DENSE if self.on_cuda else kernels.dequant() is not None
         self.dense_copy: PackedLinear | None = None  # keep_dense_copy's bf16 weight
         self.gemm = ""  # int4_gemm's path for the dense steps (Int4Linear): "amx", "dot" or none
+        # int4_gemm's steps with x's rows quantized to int8 (use_int8_activations)
+        self.int8_activations = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The usual call (2-D bf16 activations, no bias) skips the reshapes and casts: at one
@@ -269,8 +271,25 @@ class Int4Linear(QuantizedLinear):
             return super().dense(x)
         out = x.new_empty(x.shape[0], self.out_features)
         packed, scales_zeros = [t.packed for t in self.terms], [t.scales_zeros for t in self.terms]
-        kernels.dequant().int4_gemm(out, x, packed, scales_zeros, self.terms[0].group)
+        group = self.terms[0].group
+        kernels.dequant().int4_gemm(out, x, packed, scales_zeros, group, self.int8_activations)
         return out
+
+    def use_int8_activations(self) -> bool:
+        """Have int4_gemm's steps quantize x's rows to int8, 32 columns a scale, as llama.cpp
+        multiplies GGUF's 4-bit blocks (about twice the multiplies an instruction of bf16's);
+        -> whether this layer can: one term, on int4_gemm's dot path, where the CPU has
+        AVX512-VNNI. Lossy: the other steps (few rows, torch's kernel; past gemm_max_rows)
+        keep bf16 activations."""
+        ok = (
+            len(self.terms) == 1
+            and self.gemm == "dot"
+            and self.dense_copy is None
+            and self.terms[0].group % 32 == 0
+            and kernels.dequant().int8_activations_here()
+        )
+        self.int8_activations = ok
+        return ok
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu

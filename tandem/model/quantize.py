@@ -16,9 +16,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tandem.model import kernels
 from tandem.model.gguf_quant import BLOCK_BYTES, tensor_terms
 from tandem.model.packed_linear import packing_available
 from tandem.model.quant import (
+    Int4Linear,
     Int4Term,
     Int8Linear,
     QuantizedEmbedding,
@@ -219,6 +221,39 @@ def keep_bf16_copies(model) -> int:
         layer.keep_dense_copy()
     _return_freed_memory()
     return len(layers)
+
+
+def check_activation_quantization(name: str, method: str, device: torch.device) -> None:
+    """activation_quantization int8 runs in int4_gemm's dot path (AVX512-BF16 and VBMI, no
+    AMX: there AMX's bf16 tiles are the faster path) where the CPU has AVX512-VNNI, on int4
+    weights: refused elsewhere, before anything loads."""
+    if name == "none":
+        return
+    if method not in ("gguf", "int4"):
+        raise ValueError(
+            f"activation_quantization {name}: needs int4 weights (a GGUF's Q4_0/Q4_1 blocks or "
+            f"--quantization int4), not quantization {method}"
+        )
+    dequant = kernels.dequant() if device.type == "cpu" else None
+    if dequant is None or not dequant.int8_activations_here():
+        raise ValueError(
+            f"activation_quantization {name} needs a CPU with AVX512-BF16, AVX512-VNNI and "
+            "VBMI and without AMX, and the C++ kernels (this device: "
+            f"{device.type}); use none"
+        )
+
+
+def use_int8_activations(model) -> int:
+    """Int4Linear.use_int8_activations on every one-term int4 projection (GGUF's Q4_0/Q4_1,
+    HF int4); -> how many. The output head (GGUF's Q8_0, HF's 8-bit head: two terms) keeps
+    bf16 activations."""
+    count = sum(m.use_int8_activations() for m in model.modules() if isinstance(m, Int4Linear))
+    if not count:
+        raise ValueError(
+            "activation_quantization int8: no projection takes it (one int4 term a weight, "
+            "groups of a multiple of 32, no bf16 weight copy)"
+        )
+    return count
 
 
 def check_device(method: str, device: torch.device) -> None:

@@ -22,7 +22,13 @@ from tandem.engine.config import DEFAULT_KV_CACHE_GIB, kv_cache_setting, step_to
 from tandem.model.kv_quant import SCALE_BYTES, storage_dtype
 from tandem.model.loader import gguf_file, load_model, resolve_model
 from tandem.model.quant import Int4Linear, QuantizedLinear
-from tandem.model.quantize import check_device, keep_bf16_copies, quantize_model
+from tandem.model.quantize import (
+    check_activation_quantization,
+    check_device,
+    keep_bf16_copies,
+    quantize_model,
+    use_int8_activations,
+)
 from tandem.runner.model_runner import ModelRunner
 
 log = logging.getLogger("tandem")
@@ -51,6 +57,7 @@ def build_model_runner(config) -> LoadedRunner:
     gguf = gguf_file(config.model)
     method = quantization_method(config.quantization, gguf)
     check_device(method, device)
+    check_activation_quantization(config.activation_quantization, method, device)
     path = resolve_model(config.model)
     mcfg = ModelConfig.from_folder(path)
     max_model_len = resolve_max_model_len(mcfg, config.max_model_len)
@@ -62,6 +69,8 @@ def build_model_runner(config) -> LoadedRunner:
             raise ValueError("bf16_weight_copy: the weights are not quantized (quantization none)")
         keep_bf16_copies(model)
         weights += " + bf16 copy"
+    if config.activation_quantization == "int8":
+        weights += f", int8 activations ({use_int8_activations(model)} projections)"
     kv_dtype = storage_dtype(config.kv_cache_dtype, dtype)
     scale_bytes = 0 if config.kv_cache_dtype == "auto" else SCALE_BYTES
     block_bytes = kv_bytes_per_block(mcfg, config.block_size, kv_dtype.itemsize, scale_bytes)

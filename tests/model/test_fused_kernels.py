@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.model import kernels
 from tandem.model.attention import grouped_attention
 from tandem.model.layers import (
     RMSNorm,
@@ -261,11 +262,13 @@ class CountingStack:
         return out
 
 
+# whether int4_gemm takes int8 activations here (AVX512-VNNI on its dot path)
+INT8_ACTIVATIONS = kernels.dequant() is not None and kernels.dequant().int8_activations_here()
 THREE_PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11] * 5, [300, 12], [64] * 33]
 
 
-def _int4_generate(path: str, dtype: str, stack: bool, prompts=THREE_PROMPTS) -> tuple[list, int]:
-    llm = LLM(path, dtype=dtype, kv_cache_memory=0.01, quantization="int4")
+def _int4_generate(path: str, dtype: str, stack: bool, prompts=THREE_PROMPTS, **kwargs) -> tuple[list, int]:  # fmt: skip
+    llm = LLM(path, dtype=dtype, kv_cache_memory=0.01, quantization="int4", **kwargs)
     inner = llm.engine.runner.model.model
     assert inner.decode_stack is not None  # an int4 model gets one
     counting = inner.decode_stack = CountingStack(inner.decode_stack) if stack else None
@@ -288,13 +291,17 @@ def test_the_decode_stack_runs_decode_steps_with_the_python_layers_exact_output(
     assert with_stack == without
 
 
-def test_the_decode_stack_runs_steps_of_twenty_rows_exactly(fused, checkpoints):
+@pytest.mark.parametrize("activations", ["none", "int8"])
+def test_the_decode_stack_runs_steps_of_twenty_rows_exactly(fused, checkpoints, activations):
     """Past the int4 kernel's rows where int4_gemm runs (2 on AMX, 4 with AVX512-BF16): the
-    stack's projections switch to it as the layers do; elsewhere the kernel's limit (32)
-    covers them."""
+    stack's projections switch to it as the layers do, with their int8 activations where they
+    take them; elsewhere the kernel's limit (32) covers them."""
+    if activations == "int8" and not INT8_ACTIVATIONS:
+        pytest.skip("int8 activations need AVX512-VNNI and AVX512-BF16 without AMX")
     prompts = [[7 + i, 40 + i, 99, 3 * i + 1] for i in range(20)]
-    with_stack, ran = _int4_generate(str(checkpoints["llama"]), "bfloat16", True, prompts)
-    without, _ = _int4_generate(str(checkpoints["llama"]), "bfloat16", False, prompts)
+    path, kw = str(checkpoints["llama"]), {"activation_quantization": activations}
+    with_stack, ran = _int4_generate(path, "bfloat16", True, prompts, **kw)
+    without, _ = _int4_generate(path, "bfloat16", False, prompts, **kw)
     assert ran >= 10 and with_stack == without
 
 

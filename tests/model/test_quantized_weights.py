@@ -34,7 +34,7 @@ from tandem.model.quant import (
     quantize_int8_groups,
     unpack_cpu_q,
 )
-from tandem.model.quantize import check_device
+from tandem.model.quantize import check_activation_quantization, check_device
 from tandem.runner.builder import kernel_rows, quantization_method
 
 CHATS = [
@@ -417,6 +417,107 @@ def test_with_int4_gemm_a_dense_step_multiplies_the_same_bf16_weights_a_block_at
     assert torch.equal(
         torch.cat([layer.dense(eye[r : r + 16]) for r in range(0, 128, 16)]), expected
     )
+
+
+# whether int4_gemm takes int8 activations here (AVX512-VNNI on its dot path)
+INT8_ACTIVATIONS = kernels.dequant() is not None and kernels.dequant().int8_activations_here()
+
+
+def _llama_cpp_q8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x's rows as int8 activations give them (llama.cpp's Q8 blocks): each 32 columns
+    s * round(x * 127 / absmax), s = absmax / 127, in float32 as the kernel computes them."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return ((blocks * inv).round() * (amax / 127)).reshape(x.shape)
+
+
+@pytest.mark.skipif(not INT8_ACTIVATIONS, reason="int8 activations need AVX512-VNNI, BF16, no AMX")
+@pytest.mark.parametrize("group", [32, 128])
+def test_int8_activations_multiply_the_weights_by_llama_cpps_q8_blocks_of_each_row(group):
+    """With int8 activations a dense step's rows are quantized to int8 a 32 columns at a time
+    and multiplied in integers: the output is the float product of those quantized rows with
+    the layer's own weights, to bf16 rounding, for any row count int4_gemm runs and a width
+    that is not a multiple of 64. That is lossy against the bf16 rows (an outlier column
+    coarsens its block), and steps of few rows keep torch's kernel and bf16 activations."""
+    w, layer = _int4_layer(100, 256, group)
+    _, bf16_layer = _int4_layer(100, 256, group)
+    assert layer.use_int8_activations() and layer.int8_activations
+    ref_w = layer.dequantize().double()
+    gen = torch.Generator().manual_seed(1)
+    for rows in (1, 4, 5, 6, 7, 16, 33, 100):
+        x = torch.randn(rows, 256, generator=gen)
+        x[:, 3] *= 30  # an outlier column
+        xb = x.bfloat16()
+        y = layer(xb)
+        if rows <= layer.kernel_max_rows:
+            assert torch.equal(y, bf16_layer(xb))
+            continue
+        want = _llama_cpp_q8_rows(xb).double() @ ref_w.t()
+        assert (y.double() - want).abs().max() <= 2**-7 * want.abs().max()
+        assert not torch.equal(y, bf16_layer(xb))
+        assert _close(y, xb.float() @ ref_w.float().t())  # within 2% of the float product
+
+
+@pytest.mark.skipif(not INT8_ACTIVATIONS, reason="int8 activations need AVX512-VNNI, BF16, no AMX")
+def test_int8_activations_are_taken_by_one_term_int4_projections_only():
+    """The two-term layers (GGUF's Q8_0, the 8-bit head) and a kept bf16 copy keep bf16
+    activations; int4_gemm refuses a two-term weight asked for them."""
+    torch.manual_seed(0)
+    w = torch.randn(128, 64)
+    two = Int4Linear(64, 128, [int4_term(*t) for t in quantize_int8_groups(w, 32)], "Q8_0")
+    assert not two.use_int8_activations()
+    _, copied = _int4_layer(128, 64, 32)
+    copied.keep_dense_copy()
+    assert not copied.use_int8_activations()
+    out = torch.empty(8, 128, dtype=torch.bfloat16)
+    args = [t.packed for t in two.terms], [t.scales_zeros for t in two.terms]
+    with pytest.raises(RuntimeError, match="int8_activations: one term"):
+        kernels.dequant().int4_gemm(out, torch.zeros(8, 64).bfloat16(), *args, 32, True)
+
+
+def test_int8_activations_are_refused_where_they_cannot_run(checkpoints):
+    """Before anything loads: an unknown value, float weights, another device; where the CPU
+    lacks the kernel, with a message saying what it needs. Where it has it, the engine says
+    so in its weights' description, and the head keeps bf16 activations."""
+    with pytest.raises(ValueError, match="activation_quantization must be one of"):
+        EngineConfig(activation_quantization="fp8")
+    with pytest.raises(ValueError, match="needs int4 weights .* not quantization none"):
+        check_activation_quantization("int8", "none", torch.device("cpu"))
+    with pytest.raises(ValueError, match="needs a CPU with AVX512-BF16, AVX512-VNNI"):
+        check_activation_quantization("int8", "int4", torch.device("cuda"))
+    if not INT8_ACTIVATIONS:
+        with pytest.raises(ValueError, match="needs a CPU with AVX512-BF16, AVX512-VNNI"):
+            LLM(str(checkpoints["llama"]), quantization="int4", activation_quantization="int8")
+        return
+    llm = LLM(str(checkpoints["llama"]), quantization="int4", activation_quantization="int8",
+              kv_cache_memory=0.01)  # fmt: skip
+    model = llm.engine.runner.model
+    assert llm.quantization.endswith(", int8 activations (8 projections)")
+    assert model.model.layers[0].mlp.down_proj.int8_activations
+    assert not model.lm_head.int8_activations
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not INT8_ACTIVATIONS, reason="int8 activations need AVX512-VNNI, BF16, no AMX")
+def test_int8_activations_keep_the_perplexity_of_real_conversations_within_1_percent():
+    """The default model's GGUF weights score the first ShareGPT conversations, 4,096 tokens
+    in 256-token chunks (int4_gemm's steps), with bf16 and with int8 activations (measured:
+    -0.19% on an AVX-512 EPYC; benchmarks/kv_perplexity.py --activations none,int8)."""
+    from tandem.bench.sharegpt import chat_token_ids
+    from tandem.engine.builder import build_engine
+    from tandem.engine.tokenizer import load_tokenizer
+    from tandem.runner.scoring import perplexity, token_logprobs
+
+    def ppl(activations):
+        config = EngineConfig(kv_cache_memory=0.1, activation_quantization=activations)
+        core, loaded = build_engine(config)
+        docs = chat_token_ids(load_tokenizer(loaded.model_path), 4096, 1024)
+        return perplexity([lp for doc in docs for lp in token_logprobs(core, doc, 256)])
+
+    base, int8 = ppl("none"), ppl("int8")
+    assert 2 < base < 50 and int8 != base  # real text, read sensibly; and a different path
+    assert abs(int8 / base - 1) < 0.01
 
 
 @pytest.mark.parametrize("kind", ["int4", "Q8_0", "int8"])

@@ -511,18 +511,20 @@ void masked_softmax_(at::Tensor& scores, const at::Tensor& mask, double scale) {
 
 // One int4 projection as model/quant.py's Int4Linear computes it: up to kernel_max_rows rows
 // the sum of its terms' torch int4 matmuls, cut to its output width; past them (where the
-// CPU has AMX) int4_gemm; on bf16 activations, cast back, plus its bias.
+// CPU has AMX or AVX512-BF16) int4_gemm, with the layer's int8_activations; on bf16
+// activations, cast back, plus its bias.
 struct Int4Projection {
   std::vector<at::Tensor> packed, scales_zeros;  // one per term (GGUF's Q8_0 has two)
   int64_t group = 0, out_features = 0, kernel_max_rows = 0;
   std::optional<at::Tensor> bias;
+  bool int8_activations = false;
 
   at::Tensor operator()(const at::Tensor& x) const {
     const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
     at::Tensor y;
     if (xb.size(0) > kernel_max_rows) {
       y = at::empty({xb.size(0), out_features}, xb.options());
-      int4_gemm(y, xb.contiguous(), packed, scales_zeros, group);
+      int4_gemm(y, xb.contiguous(), packed, scales_zeros, group, int8_activations);
     } else {
       y = at::_weight_int4pack_mm_for_cpu(xb, packed[0], group, scales_zeros[0]);
       for (size_t t = 1; t < packed.size(); ++t)
@@ -549,14 +551,14 @@ class DecodeStack {
         lanes_(sum_lanes), final_norm_(std::move(final_norm)) {}
 
   // Each projection: (packed terms, scales_zeros terms, group, out_features, kernel_max_rows,
-  // bias or None).
+  // bias or None, int8_activations).
   using Proj = std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t,
-                          int64_t, std::optional<at::Tensor>>;
+                          int64_t, std::optional<at::Tensor>, bool>;
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, const Proj& qkv, const Proj& o,
                  const Proj& gate_up, const Proj& down, at::Tensor k_cache, at::Tensor v_cache) {
     auto proj = [](const Proj& p) {
       return Int4Projection{std::get<0>(p), std::get<1>(p), std::get<2>(p), std::get<3>(p),
-                            std::get<4>(p), std::get<5>(p)};
+                            std::get<4>(p), std::get<5>(p), std::get<6>(p)};
     };
     layers_.push_back({std::move(input_norm), std::move(post_norm), proj(qkv), proj(o),
                        proj(gate_up), proj(down), std::move(k_cache), std::move(v_cache)});
