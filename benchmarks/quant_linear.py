@@ -10,7 +10,8 @@ QuantizedLinear.KERNEL_MAX_ROWS is where the int4 kernel stops winning.
     python benchmarks/quant_linear.py --head [--batches 1,2,4,8,12,16,32]
 
 --head: the default model's own output head on its GGUF blocks (Q8_0, two int4 terms), the
-int4 kernel against dense by rows: where Int4Linear.TWO_TERM_KERNEL_MAX_ROWS comes from.
+int4 kernel against dense by rows: where Int4Linear.TWO_TERM_KERNEL_MAX_ROWS comes from (and
+dense with int8 activations, where int4_gemm takes them).
 """
 
 from __future__ import annotations
@@ -79,18 +80,21 @@ def head(batches: list[int], repeats: int) -> None:
     from tandem import LLM
 
     layer = LLM(quantization="gguf").engine.runner.model.lm_head
+    paths = {"kernel": layer.kernel, "dense": layer.dense}
+    if _int8_activations():
+        paths["dense a8"] = lambda x: _dense_int8_activations(x, layer)
     print(f"the default model's head: {layer}, {len(layer.terms)} terms; ms per call")
-    print(f"{'rows':>5} {'kernel':>8} {'dense':>8} {'kernel/dense':>13}")
+    print(f"{'rows':>5} " + " ".join(f"{n:>8}" for n in paths) + f" {'kernel/dense':>13}")
     for m in batches:
         x = torch.randn(m, layer.in_features, dtype=torch.bfloat16)
-        best = {"kernel": float("inf"), "dense": float("inf")}
+        best = dict.fromkeys(paths, float("inf"))
         for _ in range(repeats):
-            for name, fn in (("kernel", layer.kernel), ("dense", layer.dense)):
+            for name, fn in paths.items():
                 t = time.perf_counter()
                 fn(x)
                 best[name] = min(best[name], time.perf_counter() - t)
-        k, d = best["kernel"] * 1e3, best["dense"] * 1e3
-        print(f"{m:>5} {k:>8.2f} {d:>8.2f} {k / d:>12.2f}x", flush=True)
+        cells = " ".join(f"{best[n] * 1e3:>8.2f}" for n in paths)
+        print(f"{m:>5} {cells} {best['kernel'] / best['dense']:>12.2f}x", flush=True)
 
 
 def main():

@@ -236,6 +236,11 @@ class Int4Linear(QuantizedLinear):
     # rows, 1.53 vs 1.62 at 1 (an AMX Xeon, `python benchmarks/quant_linear.py --head`); on the
     # dot path from 3 rows: 4.05 vs 4.57 at 2, 4.85 vs 4.77 at 3, 5.73 vs 5.13 at 4 (the EPYC)
     GEMM_TWO_TERM_KERNEL_MAX_ROWS = {"amx": 1, "dot": 2}
+    # ... and with int8 activations from 1 row: 1.09 vs 1.59 ms at 1, 1.18 vs 2.02 at 2, 2.48
+    # vs 10.96 at 16 (the EPYC, `python benchmarks/quant_linear.py --head`; bf16's dense 1.78,
+    # 1.86, 3.69). The one-term projections keep the kernel to 4 rows: 4.8 vs 6.7 ms at 1 row,
+    # 7.7 vs 7.8 at 4, 13.8 vs 8.4 at 5.
+    INT8_TWO_TERM_KERNEL_MAX_ROWS = 0
     # Rows up to which int4_gemm runs the dense steps, by path. AMX's brgemm calls run at about
     # a third of its matmul rate, so past ~250 rows the slices' one oneDNN matmul each wins back
     # its reorders: the model's projections 50.8 vs 63.1 ms at 192 rows, 62.9 vs 60.5 at 256,
@@ -259,6 +264,8 @@ class Int4Linear(QuantizedLinear):
         if len(self.terms) == 1:
             return super().kernel_max_rows
         two_term = self.GEMM_TWO_TERM_KERNEL_MAX_ROWS.get(self.gemm, self.TWO_TERM_KERNEL_MAX_ROWS)
+        if self.int8_activations:
+            two_term = self.INT8_TWO_TERM_KERNEL_MAX_ROWS
         return min(super().kernel_max_rows, two_term)
 
     @property
@@ -277,12 +284,13 @@ class Int4Linear(QuantizedLinear):
 
     def use_int8_activations(self) -> bool:
         """Have int4_gemm's steps quantize x's rows to int8, 32 columns a scale, as llama.cpp
-        multiplies GGUF's 4-bit blocks (about twice the multiplies an instruction of bf16's);
-        -> whether this layer can: one term, on int4_gemm's dot path, where the CPU has
-        AVX512-VNNI. Lossy: the other steps (few rows, torch's kernel; past gemm_max_rows)
-        keep bf16 activations."""
+        multiplies GGUF's blocks (about twice the multiplies an instruction of bf16's); ->
+        whether this layer can: on int4_gemm's dot path, where the CPU has AVX512-VNNI, one
+        term, or two that make one byte (16 q_hi + q_lo: the high term's scales 16 times the
+        low one's, as GGUF's Q8_0 and Q5 types and the HF head's 8 bits are). Lossy: the
+        other steps (few rows, torch's kernel; past gemm_max_rows) keep bf16 activations."""
         ok = (
-            len(self.terms) == 1
+            (len(self.terms) == 1 or _one_byte(self.terms))
             and self.gemm == "dot"
             and self.dense_copy is None
             and self.terms[0].group % 32 == 0
@@ -320,6 +328,14 @@ class Int4Linear(QuantizedLinear):
             w = (q - 8) * scale.repeat_interleave(t.group, 1) + zero.repeat_interleave(t.group, 1)
             out = w if out is None else out + w
         return out
+
+
+def _one_byte(terms: list[Int4Term]) -> bool:
+    """Whether two int4 terms are one 8-bit weight, 16 q_hi + q_lo (int8_group_terms')."""
+    if len(terms) != 2:
+        return False
+    hi, lo = (t.scales_zeros[..., 0].float() for t in terms)
+    return torch.equal(hi, 16 * lo)
 
 
 class CudaInt4Linear(Int4Linear):

@@ -244,14 +244,13 @@ def check_activation_quantization(name: str, method: str, device: torch.device) 
 
 
 def use_int8_activations(model) -> int:
-    """Int4Linear.use_int8_activations on every one-term int4 projection (GGUF's Q4_0/Q4_1,
-    HF int4); -> how many. The output head (GGUF's Q8_0, HF's 8-bit head: two terms) keeps
-    bf16 activations."""
+    """Int4Linear.use_int8_activations on every int4 layer (GGUF's Q4_0/Q4_1/Q8_0, HF int4
+    and its 8-bit head); -> how many take it."""
     count = sum(m.use_int8_activations() for m in model.modules() if isinstance(m, Int4Linear))
     if not count:
         raise ValueError(
-            "activation_quantization int8: no projection takes it (one int4 term a weight, "
-            "groups of a multiple of 32, no bf16 weight copy)"
+            "activation_quantization int8: no layer takes it (int4 terms, groups of a multiple "
+            "of 32, no bf16 weight copy)"
         )
     return count
 

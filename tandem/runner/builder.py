@@ -70,7 +70,7 @@ def build_model_runner(config) -> LoadedRunner:
         keep_bf16_copies(model)
         weights += " + bf16 copy"
     if config.activation_quantization == "int8":
-        weights += f", int8 activations ({use_int8_activations(model)} projections)"
+        weights += f", int8 activations ({use_int8_activations(model)} layers)"
     kv_dtype = storage_dtype(config.kv_cache_dtype, dtype)
     scale_bytes = 0 if config.kv_cache_dtype == "auto" else SCALE_BYTES
     block_bytes = kv_bytes_per_block(mcfg, config.block_size, kv_dtype.itemsize, scale_bytes)

@@ -432,17 +432,26 @@ def _llama_cpp_q8_rows(x: torch.Tensor) -> torch.Tensor:
     return ((blocks * inv).round() * (amax / 127)).reshape(x.shape)
 
 
+def _layer_of(kind: str, n: int, k: int, seed: int = 0) -> Int4Linear:
+    """An int4 layer of kind "int4 gG" (one term, group G) or "Q8_0" (two: 16 q_hi + q_lo)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    if kind == "Q8_0":
+        return Int4Linear(k, n, [int4_term(*t) for t in quantize_int8_groups(w, 32)], kind)
+    return _int4_layer(n, k, int(kind.split("g")[1]), seed)[1]
+
+
 @pytest.mark.skipif(not INT8_ACTIVATIONS, reason="int8 activations need AVX512-VNNI, BF16, no AMX")
-@pytest.mark.parametrize("group", [32, 128])
-def test_int8_activations_multiply_the_weights_by_llama_cpps_q8_blocks_of_each_row(group):
+@pytest.mark.parametrize("kind", ["int4 g32", "int4 g128", "Q8_0"])
+def test_int8_activations_multiply_the_weights_by_llama_cpps_q8_blocks_of_each_row(kind):
     """With int8 activations a dense step's rows are quantized to int8 a 32 columns at a time
     and multiplied in integers: the output is the float product of those quantized rows with
     the layer's own weights, to bf16 rounding, for any row count int4_gemm runs and a width
-    that is not a multiple of 64. That is lossy against the bf16 rows (an outlier column
-    coarsens its block), and steps of few rows keep torch's kernel and bf16 activations."""
-    w, layer = _int4_layer(100, 256, group)
-    _, bf16_layer = _int4_layer(100, 256, group)
+    that is not a multiple of 64; for Q8_0 from 1 row (its two terms are one byte). That is
+    lossy against the bf16 rows (an outlier column coarsens its block), and a one-term layer's
+    steps of few rows keep torch's kernel and bf16 activations."""
+    layer, bf16_layer = _layer_of(kind, 100, 256), _layer_of(kind, 100, 256)
     assert layer.use_int8_activations() and layer.int8_activations
+    assert layer.kernel_max_rows == (0 if kind == "Q8_0" else bf16_layer.kernel_max_rows)
     ref_w = layer.dequantize().double()
     gen = torch.Generator().manual_seed(1)
     for rows in (1, 4, 5, 6, 7, 16, 33, 100):
@@ -455,31 +464,34 @@ def test_int8_activations_multiply_the_weights_by_llama_cpps_q8_blocks_of_each_r
             continue
         want = _llama_cpp_q8_rows(xb).double() @ ref_w.t()
         assert (y.double() - want).abs().max() <= 2**-7 * want.abs().max()
-        assert not torch.equal(y, bf16_layer(xb))
+        assert not torch.equal(y, bf16_layer.dense(xb))
         assert _close(y, xb.float() @ ref_w.float().t())  # within 2% of the float product
 
 
 @pytest.mark.skipif(not INT8_ACTIVATIONS, reason="int8 activations need AVX512-VNNI, BF16, no AMX")
-def test_int8_activations_are_taken_by_one_term_int4_projections_only():
-    """The two-term layers (GGUF's Q8_0, the 8-bit head) and a kept bf16 copy keep bf16
-    activations; int4_gemm refuses a two-term weight asked for them."""
-    torch.manual_seed(0)
-    w = torch.randn(128, 64)
-    two = Int4Linear(64, 128, [int4_term(*t) for t in quantize_int8_groups(w, 32)], "Q8_0")
-    assert not two.use_int8_activations()
-    _, copied = _int4_layer(128, 64, 32)
+def test_int8_activations_are_taken_by_int4_layers_whose_terms_make_one_byte():
+    """One term, or two whose high scale is 16 times the low one's (Q8_0); not two unrelated
+    terms, nor a layer holding a bf16 copy; int4_gemm refuses groups it cannot block."""
+    w = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))
+    unrelated = [int4_term(*quantize_int4(w * s, 32)) for s in (1.0, 0.3)]
+    assert not Int4Linear(64, 128, unrelated, "two").use_int8_activations()
+    assert _layer_of("Q8_0", 128, 64).use_int8_activations()
+    copied = _layer_of("int4 g32", 128, 64)
     copied.keep_dense_copy()
     assert not copied.use_int8_activations()
-    out = torch.empty(8, 128, dtype=torch.bfloat16)
-    args = [t.packed for t in two.terms], [t.scales_zeros for t in two.terms]
-    with pytest.raises(RuntimeError, match="int8_activations: one term"):
-        kernels.dequant().int4_gemm(out, torch.zeros(8, 64).bfloat16(), *args, 32, True)
+    layer = _layer_of("int4 g32", 128, 64)
+    t = layer.terms[0]
+    with pytest.raises(RuntimeError, match="groups of a multiple of 32"):
+        kernels.dequant().int4_gemm(
+            torch.empty(8, 128, dtype=torch.bfloat16), torch.zeros(8, 64).bfloat16(),
+            [t.packed], [torch.zeros(4, 128, 2, dtype=torch.bfloat16)], 16, True,  # groups of 16
+        )  # fmt: skip
 
 
 def test_int8_activations_are_refused_where_they_cannot_run(checkpoints):
     """Before anything loads: an unknown value, float weights, another device; where the CPU
     lacks the kernel, with a message saying what it needs. Where it has it, the engine says
-    so in its weights' description, and the head keeps bf16 activations."""
+    so in its weights' description, every projection and the 8-bit head take it."""
     with pytest.raises(ValueError, match="activation_quantization must be one of"):
         EngineConfig(activation_quantization="fp8")
     with pytest.raises(ValueError, match="needs int4 weights .* not quantization none"):
@@ -493,9 +505,8 @@ def test_int8_activations_are_refused_where_they_cannot_run(checkpoints):
     llm = LLM(str(checkpoints["llama"]), quantization="int4", activation_quantization="int8",
               kv_cache_memory=0.01)  # fmt: skip
     model = llm.engine.runner.model
-    assert llm.quantization.endswith(", int8 activations (8 projections)")
-    assert model.model.layers[0].mlp.down_proj.int8_activations
-    assert not model.lm_head.int8_activations
+    assert llm.quantization.endswith(", int8 activations (9 layers)")
+    assert model.model.layers[0].mlp.down_proj.int8_activations and model.lm_head.int8_activations
 
 
 @pytest.mark.slow

@@ -29,11 +29,11 @@
 //   AMX Xeon the two cost more than the matmul. Where the CPU has AVX512-BF16 but no AMX
 //   (gemm_path() is "dot"), the block in L2 is multiplied by vdpbf16ps instead, 6 input rows
 //   a pass with their sums in registers (gemm_terms with dot).
-//   With int8_activations (where int8_activations_here(): the dot path, and AVX512-VNNI) a
-//   one-term weight is instead multiplied as llama.cpp multiplies GGUF's 4-bit blocks: x's
-//   rows quantized to int8 a 32 columns at a time, the block's weights kept as bytes, and the
-//   products summed by vpdpbusd, 64 multiplies an instruction where vdpbf16ps does 32
-//   (gemm_int8_activations).
+//   With int8_activations (where int8_activations_here(): the dot path, and AVX512-VNNI) the
+//   weight is instead multiplied as llama.cpp multiplies GGUF's blocks: x's rows quantized to
+//   int8 a 32 columns at a time, the block's weights kept as bytes (one term's q, or two
+//   terms' 16 q_hi + q_lo: Q8_0), and the products summed by vpdpbusd, 64 multiplies an
+//   instruction where vdpbf16ps does 32 (gemm_int8_activations).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -451,34 +451,52 @@ inline __m512i quad_index(int row) {
   return _mm512_load_si512(idx);
 }
 
-// Block b of W into o, [k / 4][64 rows][4 columns] bytes (q, vpdpbusd's order: a dword lane
+// Block b of W into o, [k / 4][64 rows][4 columns] bytes (vpdpbusd's order: a dword lane
 // holds a row's 4 consecutive columns), and its parameters into params, [k / 32][64 scales,
-// 64 zeros] floats, w = q * scale + zero, repeated for each 32 columns of a larger group.
-void block_bytes(uint8_t* o, float* params, const uint8_t* p, const at::BFloat16* sz, int64_t n,
-                 int64_t k, int64_t group, int64_t b) {
-  const at::BFloat16* szs[1] = {sz};
+// 64 zeros] floats, w = byte * scale + zero, repeated for each 32 columns of a larger group.
+// One term: the byte is q. Two (GGUF's Q8_0, Q5_0, Q5_1, Q5_K; the 8-bit head of HF int4/8):
+// the byte is 16 q_hi + q_lo, which is exact where the high term's scale is 16 times the low
+// one's, as those formats' terms are (Int4Linear.use_int8_activations checks it): then
+// (q_hi - 8) 16 s + z_hi + (q_lo - 8) s + z_lo = (16 q_hi + q_lo) s + (z_hi - 128 s + z_lo - 8 s).
+template <int terms>
+void block_bytes(uint8_t* o, float* params, const uint8_t* const* ps,
+                 const at::BFloat16* const* szs, int64_t n, int64_t k, int64_t group, int64_t b) {
   for (int64_t g = 0; g < k / group; ++g) {
-    __m512 vs[1][4], vz[4];
-    load_params<1>(vs, vz, szs, n, b, g);
+    __m512 vs[terms][4], vz[4];
+    load_params<terms>(vs, vz, szs, n, b, g);
     for (int64_t a = g * group / kActBlock; a < (g + 1) * group / kActBlock; ++a)
       for (int v = 0; v < 4; ++v) {
-        _mm512_store_ps(params + a * 128 + 16 * v, vs[0][v]);
+        _mm512_store_ps(params + a * 128 + 16 * v, vs[terms - 1][v]);
         _mm512_store_ps(params + a * 128 + 64 + 16 * v, vz[v]);
       }
   }
-  const __m512i first = quad_index(0), second = quad_index(16), low4 = _mm512_set1_epi8(15);
+  const __m512i first = quad_index(0), second = quad_index(16);
+  const __m512i low4 = _mm512_set1_epi8(15), high4 = _mm512_set1_epi8(static_cast<char>(0xf0));
   for (int64_t c = 0; c < k; c += 4) {  // a byte holds row j low, row j + 32 high
-    const uint8_t* src = p + (b * k + c) * 32;
-    __builtin_prefetch(src + kPrefetchBytes);
-    __builtin_prefetch(src + kPrefetchBytes + 64);
-    const __m512i lo = _mm512_loadu_si512(src), hi = _mm512_loadu_si512(src + 64);
-    const __m512i r0 = _mm512_permutex2var_epi8(lo, first, hi);   // rows 0-15 | 32-47
-    const __m512i r16 = _mm512_permutex2var_epi8(lo, second, hi);  // rows 16-31 | 48-63
+    __m512i r0[terms], r16[terms];
+    for (int t = 0; t < terms; ++t) {
+      const uint8_t* src = ps[t] + (b * k + c) * 32;
+      __builtin_prefetch(src + kPrefetchBytes);
+      __builtin_prefetch(src + kPrefetchBytes + 64);
+      const __m512i lo = _mm512_loadu_si512(src), hi = _mm512_loadu_si512(src + 64);
+      r0[t] = _mm512_permutex2var_epi8(lo, first, hi);    // rows 0-15 | 32-47
+      r16[t] = _mm512_permutex2var_epi8(lo, second, hi);  // rows 16-31 | 48-63
+    }
     uint8_t* dst = o + c * 64;
-    _mm512_store_si512(dst, _mm512_and_si512(r0, low4));
-    _mm512_store_si512(dst + 64, _mm512_and_si512(r16, low4));
-    _mm512_store_si512(dst + 128, _mm512_and_si512(_mm512_srli_epi16(r0, 4), low4));
-    _mm512_store_si512(dst + 192, _mm512_and_si512(_mm512_srli_epi16(r16, 4), low4));
+    for (int h = 0; h < 2; ++h) {
+      const __m512i x = h ? r16[0] : r0[0];
+      __m512i low, high;  // rows 16h .. 16h + 15, and 32 rows on
+      if constexpr (terms == 1) {
+        low = _mm512_and_si512(x, low4);
+        high = _mm512_and_si512(_mm512_srli_epi16(x, 4), low4);
+      } else {
+        const __m512i y = h ? r16[1] : r0[1];
+        low = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(x, 4), high4), _mm512_and_si512(y, low4));
+        high = _mm512_or_si512(_mm512_and_si512(x, high4), _mm512_and_si512(_mm512_srli_epi16(y, 4), low4));
+      }
+      _mm512_store_si512(dst + 64 * h, low);
+      _mm512_store_si512(dst + 128 + 64 * h, high);
+    }
   }
 }
 
@@ -542,11 +560,12 @@ uint8_t* thread_bytes(int64_t bytes) {
   return reinterpret_cast<uint8_t*>((p + 63) & ~uintptr_t(63));
 }
 
-// gemm_terms for one term, x's rows quantized to int8 first: the same (block, pass of rows)
-// items, each block's weights widened to bytes (not to bf16) in this thread's buffer.
-void gemm_int8_activations(at::BFloat16* out, const at::BFloat16* x, const uint8_t* p,
-                           const at::BFloat16* sz, int64_t m, int64_t n, int64_t n_out, int64_t k,
-                           int64_t group) {
+// gemm_terms with x's rows quantized to int8 first: the same (block, pass of rows) items,
+// each block's weights widened to bytes (not to bf16) in this thread's buffer.
+template <int terms>
+void gemm_int8_activations(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* ps,
+                           const at::BFloat16* const* szs, int64_t m, int64_t n, int64_t n_out,
+                           int64_t k, int64_t group) {
   const int64_t nb = k / kActBlock, blocks = (n_out + 63) / 64, step = kInt8RowGroup;
   std::vector<int8_t> xq(m * k);
   std::vector<float> xs(m * nb), xsum(m * nb);
@@ -558,7 +577,7 @@ void gemm_int8_activations(at::BFloat16* out, const at::BFloat16* x, const uint8
     alignas(64) float acc[kInt8RowGroup * 64];
     for (int64_t item = begin, held = -1; item < end; ++item) {
       const int64_t b = item / passes, m0 = (item % passes) * step;
-      if (b != held) block_bytes(w, params, p, sz, n, k, group, held = b);
+      if (b != held) block_bytes<terms>(w, params, ps, szs, n, k, group, held = b);
       const int64_t rows = std::min(step, m - m0);
       int8_rows(acc, xq.data() + m0 * k, xs.data() + m0 * nb, xsum.data() + m0 * nb, k, w, params, rows);
       store_rows(out + m0 * n_out, n_out, b * 64, std::min<int64_t>(64, n_out - b * 64), acc, rows);
@@ -749,9 +768,10 @@ void int4_gemm(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tenso
 #endif
   if (int8_activations) {
     TORCH_CHECK(int8_activations_here(), "int8_activations needs AVX512-VNNI and the dot path");
-    TORCH_CHECK(w.count == 1 && group % 32 == 0, "int8_activations: one term, group a multiple of 32");
+    TORCH_CHECK(group % 32 == 0, "int8_activations: groups of a multiple of 32 columns");
 #ifdef TANDEM_INT8_ACTIVATIONS
-    return gemm_int8_activations(o, xp, w.ps[0], w.szs[0], m, w.n, n_out, w.k, group);
+    if (w.count == 1) return gemm_int8_activations<1>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group);
+    return gemm_int8_activations<2>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group);
 #endif
   }
   if (w.count == 1) gemm_terms<1>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group, dot);
