@@ -7,7 +7,7 @@ KV in the cache's format and reads the earlier chunks' KV back from it, as a ser
 does. Chunks of 1 run the decode path (the C++ decode kernel on the CPU), longer chunks the
 prefill path. The float cache is the model's dtype (`auto`); the issue's target is an 8-bit
 cache within 1% of its perplexity. `--activations none,int8` scores the float cache with
---activation-quantization int8 too (int4 projections' steps of 5-512 rows: chunks past 4).
+--activation-quantization int8 too (int4 projections' steps of 3-512 rows: chunks past 2).
 
     python benchmarks/kv_perplexity.py                     # default model, ~4k tokens
     python benchmarks/kv_perplexity.py --tokens 8192 --chunks 1,256 --dtype float32

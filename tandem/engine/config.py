@@ -65,7 +65,7 @@ class EngineConfig:
     )
     activation_quantization: str = _flag(
         "none",
-        "int8: int4 projections' steps of 5-512 rows (prefill chunks, many running requests) "
+        "int8: int4 projections' steps of 3-512 rows (prefill chunks, many running requests) "
         "quantize their input rows to int8, a scale per 32 columns, as llama.cpp multiplies "
         "GGUF's 4-bit blocks: about 1.2-1.4x faster matmuls, lossy (real text's perplexity "
         "within a percent; greedy output leaves the bf16 path's sooner). CPUs with AVX512-BF16 "

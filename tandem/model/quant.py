@@ -236,11 +236,12 @@ class Int4Linear(QuantizedLinear):
     # rows, 1.53 vs 1.62 at 1 (an AMX Xeon, `python benchmarks/quant_linear.py --head`); on the
     # dot path from 3 rows: 4.05 vs 4.57 at 2, 4.85 vs 4.77 at 3, 5.73 vs 5.13 at 4 (the EPYC)
     GEMM_TWO_TERM_KERNEL_MAX_ROWS = {"amx": 1, "dot": 2}
-    # ... and with int8 activations from 1 row: 1.09 vs 1.59 ms at 1, 1.18 vs 2.02 at 2, 2.48
-    # vs 10.96 at 16 (the EPYC, `python benchmarks/quant_linear.py --head`; bf16's dense 1.78,
-    # 1.86, 3.69). The one-term projections keep the kernel to 4 rows: 4.8 vs 6.7 ms at 1 row,
-    # 7.7 vs 7.8 at 4, 13.8 vs 8.4 at 5.
+    # ... and with int8 activations from 1 row: 1.03 vs 1.60 ms at 1, 1.04 vs 1.97 at 2, 2.26
+    # vs 11.03 at 16 (the EPYC, `python benchmarks/quant_linear.py --head`; bf16's dense 2.04,
+    # 2.04, 4.00); the one-term projections from 3: the kernel 4.8 vs 6.0 ms at 1 row, 5.7 vs
+    # 5.7 at 2, 6.7 vs 5.9 at 3, 7.7 vs 6.0 at 4 (`--batches 1,2,3,4`, `int4 dense a8`).
     INT8_TWO_TERM_KERNEL_MAX_ROWS = 0
+    INT8_KERNEL_MAX_ROWS = 2
     # Rows up to which int4_gemm runs the dense steps, by path. AMX's brgemm calls run at about
     # a third of its matmul rate, so past ~250 rows the slices' one oneDNN matmul each wins back
     # its reorders: the model's projections 50.8 vs 63.1 ms at 192 rows, 62.9 vs 60.5 at 256,
@@ -262,7 +263,7 @@ class Int4Linear(QuantizedLinear):
     @property
     def kernel_max_rows(self) -> int:
         if len(self.terms) == 1:
-            return super().kernel_max_rows
+            return self.INT8_KERNEL_MAX_ROWS if self.int8_activations else super().kernel_max_rows
         two_term = self.GEMM_TWO_TERM_KERNEL_MAX_ROWS.get(self.gemm, self.TWO_TERM_KERNEL_MAX_ROWS)
         if self.int8_activations:
             two_term = self.INT8_TWO_TERM_KERNEL_MAX_ROWS
