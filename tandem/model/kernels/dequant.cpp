@@ -439,11 +439,13 @@ void gemm_terms(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* 
 // one: the zero point's term then errs with the weights' own sign, centred, instead of
 // with q's, all positive; random rows' relative error 1.3% -> 0.6%, bf16 rows' 0.3%). Per
 // output, per block: scale s_w s_x sum(q a) + zero_w s_x sum(a), sum(q a) by vpdpbusd (q the
-// unsigned byte, a the signed one). On the default model's projections on an AVX-512 EPYC,
-// against the bf16 dot path: 12.3 vs 10.3 ms at 16 rows, 35.0 vs 28.0 at 64, 127 vs 96-111
-// at 256; real text's perplexity 6.614 -> 6.602 (benchmarks/quant_linear.py,
+// unsigned byte, a the signed one). The default model's matmuls on an AVX-512 EPYC against
+// the bf16 dot path (both with the lookahead): 11.6 vs 15.7 ms at 16 rows, 32.3 vs 44.4 at
+// 64, 120 vs 160 at 256; real text's perplexity 6.614 -> 6.609 (benchmarks/quant_linear.py,
 // benchmarks/kv_perplexity.py). About a fifth of the time is the per-block float work (the
-// converts and the two fused multiply-adds a row a block).
+// convert, the multiply and the two fused multiply-adds a row a block: without the multiply
+// and the zero's term, 99.8 -> 78.8 ms at 256 rows; wrong numbers, measured to know). Keeping
+// the float sums in memory to run all 4 vectors of a block a pass was 1.4-1.9x slower.
 
 // Columns a block of activations: GGUF's block, and the int32 sums' span.
 constexpr int64_t kActBlock = 32;
