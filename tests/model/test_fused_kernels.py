@@ -264,6 +264,7 @@ class CountingStack:
 
 # whether int4_gemm takes int8 activations here (AVX512-VNNI on its dot path)
 INT8_ACTIVATIONS = kernels.dequant() is not None and kernels.dequant().int8_activations_here()
+NO_INT8 = "int8 activations need AVX512-VNNI and AVX512-BF16 without AMX (the flag's refusal is tested there)"
 THREE_PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11] * 5, [300, 12], [64] * 33]
 
 
@@ -291,13 +292,14 @@ def test_the_decode_stack_runs_decode_steps_with_the_python_layers_exact_output(
     assert with_stack == without
 
 
-@pytest.mark.parametrize("activations", ["none", "int8"])
+@pytest.mark.parametrize(
+    "activations",
+    ["none", pytest.param("int8", marks=pytest.mark.skipif(not INT8_ACTIVATIONS, reason=NO_INT8))],
+)
 def test_the_decode_stack_runs_steps_of_twenty_rows_exactly(fused, checkpoints, activations):
     """Past the int4 kernel's rows where int4_gemm runs (2 on AMX, 4 with AVX512-BF16): the
     stack's projections switch to it as the layers do, with their int8 activations where they
     take them; elsewhere the kernel's limit (32) covers them."""
-    if activations == "int8" and not INT8_ACTIVATIONS:
-        pytest.skip("int8 activations need AVX512-VNNI and AVX512-BF16 without AMX")
     prompts = [[7 + i, 40 + i, 99, 3 * i + 1] for i in range(20)]
     path, kw = str(checkpoints["llama"]), {"activation_quantization": activations}
     with_stack, ran = _int4_generate(path, "bfloat16", True, prompts, **kw)

@@ -315,14 +315,15 @@ void dequant_block_vnni(at::BFloat16* o, const uint8_t* const* ps, const at::BFl
 // 2 or 4 blocks of W a call, measured within noise of each other on an AMX Xeon.)
 constexpr int64_t GEMM_ROWS = 32;
 
-// This thread's block buffer, kept between calls (a fresh one each call was zero-filled, and,
-// past glibc's mmap threshold, page-faulted in, for every projection of every step), aligned
-// to 64 bytes for whole-vector loads.
-at::BFloat16* block_buffer(int64_t elems) {
-  static thread_local std::vector<at::BFloat16> buffer;
-  if (static_cast<int64_t>(buffer.size()) < elems + 32) buffer.resize(elems + 32);
+// This thread's buffer number `slot` of at least `bytes`, kept between calls (a fresh one each
+// call was zero-filled, and, past glibc's mmap threshold, page-faulted in, for every
+// projection of every step), aligned to 64 bytes for whole-vector loads.
+template <int slot>
+uint8_t* thread_bytes(int64_t bytes) {
+  static thread_local std::vector<uint8_t> buffer;
+  if (static_cast<int64_t>(buffer.size()) < bytes + 64) buffer.resize(bytes + 64);
   const auto p = reinterpret_cast<uintptr_t>(buffer.data());
-  return reinterpret_cast<at::BFloat16*>((p + 63) & ~uintptr_t(63));
+  return reinterpret_cast<uint8_t*>((p + 63) & ~uintptr_t(63));
 }
 
 // Rows [0, rows) of a block's float products (acc: 64 floats a row) into out's columns
@@ -410,7 +411,7 @@ void gemm_terms(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* 
   // at 256, 331 -> 315 at 512 on an AVX-512 EPYC; each output the same bits).
   const int64_t passes = (m + step - 1) / step;
   at::parallel_for(0, blocks * passes, 1, [&](int64_t begin, int64_t end) {
-    at::BFloat16* w = block_buffer(k * 64);
+    auto* w = reinterpret_cast<at::BFloat16*>(thread_bytes<0>(k * 64 * sizeof(at::BFloat16)));
     alignas(64) float acc[GEMM_ROWS * 64];
     for (int64_t item = begin, held = -1; item < end; ++item) {
       const int64_t b = item / passes, m0 = (item % passes) * step;
@@ -459,10 +460,10 @@ void quantize_activations(int8_t* q, float* scale, float* sum, const at::BFloat1
   at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t b = 0; b < nb; ++b) {
-        const int64_t at = r * k + b * kActBlock;
+        const int64_t first = r * k + b * kActBlock;
         __m512 v[2];
         for (int h = 0; h < 2; ++h) {
-          const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + at + 16 * h));
+          const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + first + 16 * h));
           v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
         }
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
@@ -472,7 +473,7 @@ void quantize_activations(int8_t* q, float* scale, float* sum, const at::BFloat1
         for (int h = 0; h < 2; ++h) {
           const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], inv));  // to nearest even
           total = _mm512_add_epi32(total, a);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + at + 16 * h), _mm512_cvtsepi32_epi8(a));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(q + first + 16 * h), _mm512_cvtsepi32_epi8(a));
         }
         scale[r * nb + b] = s;
         sum[r * nb + b] = s * static_cast<float>(_mm512_reduce_add_epi32(total));
@@ -590,15 +591,6 @@ inline void int8_rows(float* acc, const int8_t* xq, const float* xs, const float
   }
 }
 
-// This thread's buffer of `bytes`, kept between calls, aligned to 64 bytes (block_buffer's).
-template <int slot>
-uint8_t* thread_bytes(int64_t bytes) {
-  static thread_local std::vector<uint8_t> buffer;
-  if (static_cast<int64_t>(buffer.size()) < bytes + 64) buffer.resize(bytes + 64);
-  const auto p = reinterpret_cast<uintptr_t>(buffer.data());
-  return reinterpret_cast<uint8_t*>((p + 63) & ~uintptr_t(63));
-}
-
 // gemm_terms with x's rows quantized to int8 first: the same (block, pass of rows) items,
 // each block's weights widened to bytes (not to bf16) in this thread's buffer.
 template <int terms>
@@ -606,16 +598,15 @@ void gemm_int8_activations(at::BFloat16* out, const at::BFloat16* x, const uint8
                            const at::BFloat16* const* szs, int64_t m, int64_t n, int64_t n_out,
                            int64_t k, int64_t group) {
   const int64_t nb = k / kActBlock, blocks = (n_out + 63) / 64, step = kInt8RowGroup;
-  // the caller's buffers, kept as the blocks' are (fresh vectors were zero-filled, and past
-  // glibc's mmap threshold page-faulted in, every call: memset 1.6% of an offline run's
-  // samples, 0.07% after)
+  // the caller's buffers (fresh vectors here: memset 1.6% of an offline run's samples, 0.07%
+  // with these)
   int8_t* xq = reinterpret_cast<int8_t*>(thread_bytes<2>(m * k));
   float* xs = reinterpret_cast<float*>(thread_bytes<3>(m * nb * sizeof(float)));
   float* xsum = reinterpret_cast<float*>(thread_bytes<4>(m * nb * sizeof(float)));
   quantize_activations(xq, xs, xsum, x, m, k);
   const int64_t passes = (m + step - 1) / step;
   at::parallel_for(0, blocks * passes, 1, [&](int64_t begin, int64_t end) {
-    uint8_t* w = thread_bytes<0>(k * 64);
+    uint8_t* w = thread_bytes<0>(k * 64);  // the block buffer gemm_terms' dot path uses too
     float* params = reinterpret_cast<float*>(thread_bytes<1>(nb * 128 * sizeof(float)));
     alignas(64) float acc[kInt8RowGroup * 64];
     for (int64_t item = begin, held = -1; item < end; ++item) {
@@ -803,13 +794,6 @@ void int4_gemm(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tenso
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
   const bool dot = path == "dot";
-#ifdef TANDEM_AMX_TILES
-  if (!dot && m <= kTileRows && group % 32 == 0) {
-    if (w.count == 1) gemm_terms_tiles<1>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group);
-    else gemm_terms_tiles<2>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group);
-    return;
-  }
-#endif
   if (int8_activations) {
     TORCH_CHECK(int8_activations_here(), "int8_activations needs AVX512-VNNI and the dot path");
     TORCH_CHECK(group % 32 == 0, "int8_activations: groups of a multiple of 32 columns");
@@ -818,6 +802,13 @@ void int4_gemm(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tenso
     return gemm_int8_activations<2>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group);
 #endif
   }
+#ifdef TANDEM_AMX_TILES
+  if (!dot && m <= kTileRows && group % 32 == 0) {
+    if (w.count == 1) gemm_terms_tiles<1>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group);
+    else gemm_terms_tiles<2>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group);
+    return;
+  }
+#endif
   if (w.count == 1) gemm_terms<1>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group, dot);
   else gemm_terms<2>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group, dot);
 }
