@@ -107,7 +107,11 @@ class PagedAttention(nn.Module):
         # q: [T, H, D]; k, v: [T, KVH, D]
         meta = _meta
         kvh, d = self.num_kv_heads, self.head_dim
-        if self.k_scale is not None:
+        if self.fused is not None:
+            self.fused.write_kv(
+                self.k_cache, self.v_cache, meta.slot_mapping, k, v, self.k_scale, self.v_scale
+            )
+        elif self.k_scale is not None:
             for x, cache, scales in ((k, self.k_cache, self.k_scale), (v, self.v_cache, self.v_scale)):  # fmt: skip
                 xq, xs = quantize_kv(x, cache.dtype)
                 # as bytes: torch's CPU index ops do not take float8
@@ -115,8 +119,6 @@ class PagedAttention(nn.Module):
                     0, meta.slot_mapping, xq.view(torch.uint8)
                 )
                 scales.view(-1, kvh).index_copy_(0, meta.slot_mapping, xs)
-        elif self.fused is not None:
-            self.fused.write_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v)
         else:
             self.k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
             self.v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)

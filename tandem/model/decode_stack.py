@@ -8,10 +8,11 @@ with the same kernels as model/llama.py, so its output equals the Python path's 
 
 It runs only where it computes exactly what the Python layers would: every projection int4
 (a GGUF's own blocks or --quantization int4), the fused kernels and the decode-attention
-kernel bound, a KV cache in the compute dtype, and, per step, only single-token rows, no more
-than the int4 kernel's row limit (or, where int4_gemm runs, its own: 240 on AMX), with no
-per-layer hook (a prefill instance's KV sender). At 16 running requests on an AMX Xeon a
-decode step of the default model takes ~4 ms less through it (18 vs 22 ms,
+kernel bound (the KV cache in the compute dtype or 8-bit: the same KV write, quantizing as
+kv_quant does, and the same kernel), and, per step, only single-token rows, no more than the
+int4 kernel's row limit (or, where int4_gemm runs, its own: 240 on AMX), with no per-layer
+hook (a prefill instance's KV sender). At 16 running requests on an AMX Xeon a decode step
+of the default model takes ~4 ms less through it (18 vs 22 ms,
 `python benchmarks/fused_layers.py`).
 LoRA replaces the projections, so enabling it drops the stack (ModelRunner.enable_lora).
 """
@@ -65,9 +66,7 @@ def build_decode_stack(model: nn.Module, fused) -> DecodeStack | None:
         type(p) is Int4Linear and len({t.group for t in p.terms}) == 1 for p in projections
     ):
         return None
-    if not all(
-        a.decode_kernel is not None and a.fused is not None and a.k_scale is None for a in attns
-    ):
+    if not all(a.decode_kernel is not None and a.fused is not None for a in attns):
         return None
     if not all(n.fused is not None for n in [*norms, inner.norm]):
         return None
@@ -81,7 +80,7 @@ def build_decode_stack(model: nn.Module, fused) -> DecodeStack | None:
         stack.add_layer(
             layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
             *(_terms(p) for p in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)),
-            a.k_cache, a.v_cache,
+            a.k_cache, a.v_cache, a.k_scale, a.v_scale,
         )  # fmt: skip
     return DecodeStack(stack, min(_max_rows(p) for p in projections))
 

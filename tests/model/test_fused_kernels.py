@@ -14,6 +14,7 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.model import kernels
 from tandem.model.attention import grouped_attention
+from tandem.model.kv_quant import quantize_kv
 from tandem.model.layers import (
     RMSNorm,
     SiluAndMul,
@@ -114,6 +115,28 @@ def test_write_kv_puts_each_row_in_its_slot_as_index_copy_does(fused, dtype):
     want_k.view(-1, kvh, d).index_copy_(0, slots, k)
     want_v.view(-1, kvh, d).index_copy_(0, slots, v)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("storage", [torch.int8, torch.float8_e4m3fn])
+def test_write_kv_stores_an_8_bit_caches_values_and_scales_as_quantize_kv_does(fused, dtype, storage):  # fmt: skip
+    blocks, block_size, kvh, d, rows = 6, 4, 3, 64, 5
+    k_cache, v_cache = (torch.zeros(blocks, block_size, kvh, d, dtype=storage) for _ in range(2))
+    k_scales, v_scales = (torch.zeros(blocks, block_size, kvh) for _ in range(2))
+    qkv = _randn(rows, 4 * kvh * d, dtype=dtype) * torch.logspace(-3, 2, rows)[:, None].to(dtype)
+    qkv[1] = 0  # a zero vector: the scale's floor
+    k, v = (qkv[:, i * kvh * d : (i + 1) * kvh * d].view(rows, kvh, d) for i in (0, 2))
+    slots = torch.tensor([23, 0, 5, 6, 11])
+    fused.write_kv(k_cache, v_cache, slots, k, v, k_scales, v_scales)
+    for x, cache, scales in ((k, k_cache, k_scales), (v, v_cache, v_scales)):
+        want_q, want_s = quantize_kv(x, storage)
+        got_q = cache.view(-1, kvh, d)[slots]
+        assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(scales.view(-1, kvh)[slots], want_s)
+    untouched = torch.ones(blocks * block_size, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_scales.view(-1, kvh)[untouched].any()
+    assert not k_cache.view(-1, kvh, d)[untouched].view(torch.uint8).any()
 
 
 def test_write_kv_refuses_a_slot_outside_the_cache_and_writes_nothing(fused):
@@ -292,6 +315,17 @@ def test_the_decode_stack_runs_decode_steps_with_the_python_layers_exact_output(
     assert with_stack == without
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_the_decode_stack_runs_decode_steps_on_an_8_bit_cache_exactly(fused, checkpoints, kv, dtype):  # fmt: skip
+    """The stack writes each step's K and V quantized, as the layers' write does, and its
+    decode kernel reads the values with their scales."""
+    path, kw = str(checkpoints["llama"]), {"kv_cache_dtype": kv}
+    with_stack, ran = _int4_generate(path, dtype, True, **kw)
+    without, _ = _int4_generate(path, dtype, False, **kw)
+    assert ran >= 10 and with_stack == without
+
+
 @pytest.mark.parametrize(
     "activations",
     ["none", pytest.param("int8", marks=pytest.mark.skipif(not INT8_ACTIVATIONS, reason=NO_INT8))],
@@ -325,10 +359,9 @@ def test_the_decode_stack_leaves_steps_past_the_int4_kernels_row_limit_to_the_la
     [
         {},  # float weights
         {"quantization": "int8"},
-        {"quantization": "int4", "kv_cache_dtype": "int8"},
         {"quantization": "int4", "enable_lora": True},
     ],
-    ids=["float", "int8 weights", "int8 kv", "lora"],
+    ids=["float", "int8 weights", "lora"],
 )
 def test_no_decode_stack_where_it_would_not_compute_what_the_layers_do(fused, checkpoints, kwargs):  # fmt: skip
     llm = LLM(str(checkpoints["llama"]), dtype="float32", kv_cache_memory=0.01, **kwargs)

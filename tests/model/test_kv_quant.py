@@ -114,6 +114,22 @@ def test_the_decode_kernel_reads_an_8_bit_cache_as_its_dequantized_values(kernel
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_decode_kernel_widens_every_e4m3_value_exactly(kernel):
+    """One key and value a row, all of one e4m3 pattern: the output is its value, subnormals
+    and +-448 included (the vector widening's bit arithmetic, not a table). NaN's patterns are
+    left out: quantize_kv never stores them."""
+    patterns = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    rows, d = len(patterns), 64
+    cache = patterns[:, None, None, None].expand(rows, 1, 1, d).contiguous()
+    cache = torch.cat([torch.zeros(1, 1, 1, d, dtype=torch.uint8), cache]).view(torch.float8_e4m3fn)
+    ones = torch.ones(rows + 1, 1, 1)
+    tables, lens = torch.arange(1, rows + 1)[:, None], torch.ones(rows, dtype=torch.long)
+    q = torch.randn(rows, 1, d)
+    got = kernel(q, cache, cache, tables, lens, 0.125, ones, ones)  # softmax of one key: 1
+    want = patterns.view(torch.float8_e4m3fn).float()[:, None, None].expand(rows, 1, d)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.slow
 def test_8_bit_caches_keep_the_perplexity_of_real_conversations_within_1_percent():
     """The default model (float32 weights and float cache as the reference) scores the first

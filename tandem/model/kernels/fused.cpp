@@ -18,8 +18,11 @@
 //                                                     cos, sin [T, 1, D] (sin signed)
 // silu_and_mul(x) -> out:                             silu(x[:, :I]) * x[:, I:], x [T, 2I]
 // masked_softmax_(scores, mask, scale):              a grouped attention's softmax, in place
-// write_kv(k_cache, v_cache, slots, k, v):            cache.view(-1, KVH, D)[slots[t]] = k[t]
-//                                                     (and v), k, v [T, KVH, D] (rows strided)
+// write_kv(k_cache, v_cache, slots, k, v[, k_scales, v_scales]):
+//                                                     cache.view(-1, KVH, D)[slots[t]] = k[t]
+//                                                     (and v), k, v [T, KVH, D] (rows strided);
+//                                                     an 8-bit cache's values and scales as
+//                                                     kv_quant.quantize_kv computes them
 //
 // DecodeStack: a decode-only step's whole layer stack in one call, for a model whose
 // projections are int4 (a GGUF's own blocks, or --quantization int4). Python's cost per op
@@ -416,34 +419,96 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// One token's D values of one KV head as kv_quant.quantize_kv stores them: scale =
+// max(absmax / the format's largest value, 1e-12), each value / scale rounded to the format
+// (int8: to nearest even, clamped to +-127; e4m3: c10's conversion, torch's), in float.
+template <typename T, typename C>
+void quantize_slot(const T* x, int64_t d, C* out, float* scale) {
+  constexpr float qmax = std::is_same_v<C, int8_t> ? 127.f : 448.f;
+  float amax = 0.f;
+  for (int64_t j = 0; j < d; ++j) amax = std::max(amax, std::abs(static_cast<float>(x[j])));
+  const float s = std::max(amax / qmax, 1e-12f);
+  for (int64_t j = 0; j < d; ++j) {
+    const float y = static_cast<float>(x[j]) / s;
+    if constexpr (std::is_same_v<C, int8_t>)
+      out[j] = static_cast<int8_t>(std::clamp(std::nearbyint(y), -qmax, qmax));
+    else
+      out[j] = C(y);
+  }
+  *scale = s;
+}
+
 void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
-              const at::Tensor& k, const at::Tensor& v) {
+              const at::Tensor& k, const at::Tensor& v,
+              const std::optional<at::Tensor>& k_scales,
+              const std::optional<at::Tensor>& v_scales) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots must be long");
-  const int64_t rows = k.size(0), row = k.size(1) * k.size(2);
+  const bool eight_bit = k_scales.has_value();
+  TORCH_CHECK(eight_bit == v_scales.has_value(), "k_scales and v_scales come together");
+  TORCH_CHECK(!eight_bit || k_cache.scalar_type() == at::kChar ||
+                  k_cache.scalar_type() == at::kFloat8_e4m3fn,
+              "scales go with an int8 or float8_e4m3fn cache");
+  const int64_t rows = k.size(0), heads = k.size(1), d = k.size(2), row = heads * d;
   const int64_t capacity = k_cache.numel() / row;
   for (const at::Tensor* t : {&k, &v}) {
     TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && t->stride(1) == t->size(2) &&
                     t->size(0) == rows && t->size(1) * t->size(2) == row &&
-                    t->scalar_type() == k_cache.scalar_type(),
-                "k and v must be [T, KVH, D] with contiguous heads, in the cache's dtype");
+                    (eight_bit ? t->scalar_type() == k.scalar_type()
+                               : t->scalar_type() == k_cache.scalar_type()),
+                "k and v must be [T, KVH, D] with contiguous heads, in the cache's dtype (or "
+                "one float dtype for an 8-bit cache)");
   }
-  TORCH_CHECK(slots.numel() == rows && v_cache.numel() == k_cache.numel(), "shape mismatch");
+  TORCH_CHECK(slots.numel() == rows && v_cache.numel() == k_cache.numel() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(), "shape mismatch");
+  if (eight_bit) {
+    for (const at::Tensor* t : {&*k_scales, &*v_scales})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                      t->numel() == capacity * heads,
+                  "scales must be contiguous float32, one per slot and KV head");
+  }
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < rows; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "slot out of range");
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  if (eight_bit) {
+    float* kscale = k_scales->data_ptr<float>();
+    float* vscale = v_scales->data_ptr<float>();
+    auto write = [&](auto x_zero, auto c_zero) {
+      using T = decltype(x_zero);
+      using C = decltype(c_zero);
+      const T* kp = static_cast<const T*>(k.data_ptr());
+      const T* vp = static_cast<const T*>(v.data_ptr());
+      C* kc = static_cast<C*>(k_cache.data_ptr());
+      C* vc = static_cast<C*>(v_cache.data_ptr());
+      for_rows(rows, 2 * row, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t)
+          for (int64_t h = 0; h < heads; ++h) {
+            const int64_t i = slot[t] * heads + h;
+            quantize_slot(kp + t * ks + h * d, d, kc + i * d, kscale + i);
+            quantize_slot(vp + t * vs + h * d, d, vc + i * d, vscale + i);
+          }
+      });
+    };
+    auto with_cache = [&](auto x_zero) {
+      if (k_cache.scalar_type() == at::kChar) write(x_zero, int8_t{});
+      else write(x_zero, c10::Float8_e4m3fn{});
+    };
+    for_dtype(k, with_cache);
+    return;
+  }
   const int64_t bytes = row * k.element_size();
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
-  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
+  const int64_t kb = ks * k.element_size(), vb = vs * v.element_size();
   // in parallel past for_rows' grain (85 rows of the default model): a prompt's rows land on
   // cache lines no core holds (2,048 rows of the default model: 0.72 ms a layer on one thread)
   for_rows(rows, 2 * row, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      std::memcpy(kc + slot[t] * bytes, kp + t * ks, bytes);
-      std::memcpy(vc + slot[t] * bytes, vp + t * vs, bytes);
+      std::memcpy(kc + slot[t] * bytes, kp + t * kb, bytes);
+      std::memcpy(vc + slot[t] * bytes, vp + t * vb, bytes);
     }
   });
 }
@@ -541,6 +606,7 @@ struct DecodeLayer {
   at::Tensor input_norm, post_norm;  // RMSNorm weights
   Int4Projection qkv, o, gate_up, down;
   at::Tensor k_cache, v_cache;  // [num_blocks, block_size, KVH, D]
+  std::optional<at::Tensor> k_scales, v_scales;  // an 8-bit cache's: [num_blocks, block_size, KVH]
 };
 
 class DecodeStack {
@@ -555,13 +621,15 @@ class DecodeStack {
   using Proj = std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t,
                           int64_t, std::optional<at::Tensor>, bool>;
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, const Proj& qkv, const Proj& o,
-                 const Proj& gate_up, const Proj& down, at::Tensor k_cache, at::Tensor v_cache) {
+                 const Proj& gate_up, const Proj& down, at::Tensor k_cache, at::Tensor v_cache,
+                 std::optional<at::Tensor> k_scales, std::optional<at::Tensor> v_scales) {
     auto proj = [](const Proj& p) {
       return Int4Projection{std::get<0>(p), std::get<1>(p), std::get<2>(p), std::get<3>(p),
                             std::get<4>(p), std::get<5>(p), std::get<6>(p)};
     };
     layers_.push_back({std::move(input_norm), std::move(post_norm), proj(qkv), proj(o),
-                       proj(gate_up), proj(down), std::move(k_cache), std::move(v_cache)});
+                       proj(gate_up), proj(down), std::move(k_cache), std::move(v_cache),
+                       std::move(k_scales), std::move(v_scales)});
   }
 
   // x: [B, hidden] embeddings; cos, sin: [B, 1, D]; slots: [B]; block_tables: [B, blocks];
@@ -586,10 +654,10 @@ class DecodeStack {
       at::Tensor k = qk.narrow(1, h, kvh);                                 // [B, KVH, D]
       at::Tensor v = qkv.narrow(1, (h + kvh) * d, kvh * d).view({rows, kvh, d});
       at::Tensor k_cache = l.k_cache, v_cache = l.v_cache;
-      write_kv(k_cache, v_cache, slots, k, v);
+      write_kv(k_cache, v_cache, slots, k, v, l.k_scales, l.v_scales);
       const at::Tensor attn = paged_decode_attention(qk.narrow(1, 0, h), k_cache, v_cache,
                                                      block_tables, context_lens, scale_,
-                                                     std::nullopt, std::nullopt);  // [B, H, D]
+                                                     l.k_scales, l.v_scales);  // [B, H, D]
       hidden = norm(l.o(attn.view({rows, h * d})), &residual, l.post_norm, eps_, lanes_);
       x = l.down(silu_and_mul(l.gate_up(hidden)));                         // LlamaMLP.forward
     }
@@ -613,7 +681,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotate-half RoPE in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (CPU)");
   m.def("masked_softmax_", &masked_softmax_, "scale, mask, softmax, in place (CPU, bf16)");
-  m.def("write_kv", &write_kv, "this step's K and V into their cache slots (CPU)");
+  m.def("write_kv", &write_kv, "this step's K and V into their cache slots (CPU)",
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("k"), py::arg("v"),
+        py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none());
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t, at::Tensor>())
       .def("add_layer", &DecodeStack::add_layer)
