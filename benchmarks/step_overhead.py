@@ -2,7 +2,7 @@
 model forward (including the LM head), sampling, and the update that appends tokens.
 
     python benchmarks/step_overhead.py [--running 32] [--context 256] [--steps 20] [--quantization none]
-        [--kv-cache-dtype int8]
+        [--kv-cache-dtype int8] [--activation-quantization int8]
 
 Prints the mean of each phase and the share of the step spent outside the model forward.
 """
@@ -26,14 +26,21 @@ def main():
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--quantization", default=None, help="as tandem serve's (default: the model's)")
     ap.add_argument("--kv-cache-dtype", default="auto", help="as tandem serve's")
+    ap.add_argument("--activation-quantization", default="none", help="as tandem serve's")
     args = ap.parse_args()
 
-    llm = LLM(args.model, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(
+        args.model,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        activation_quantization=args.activation_quantization,
+    )
     engine = llm.engine
     rng = random.Random(0)
     vocab = llm.model_config.vocab_size
     # long enough that nobody finishes while the rest are still in prefill or being measured
-    max_tokens = args.running * args.context // 2048 + args.steps + 10
+    # (the first prompt decodes a token a step while the rest prefill, steps of >= 256 tokens)
+    max_tokens = args.running * args.context // 256 + args.steps + 10
     for i in range(args.running):
         prompt = [rng.randrange(100, vocab - 100) for _ in range(args.context)]
         params = SamplingParams(
