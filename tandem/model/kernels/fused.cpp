@@ -430,8 +430,8 @@ void quantize_slot(const T* x, int64_t d, C* out, float* scale) {
   const float s = std::max(amax / qmax, 1e-12f);
   for (int64_t j = 0; j < d; ++j) {
     const float y = static_cast<float>(x[j]) / s;
-    if constexpr (std::is_same_v<C, int8_t>)
-      out[j] = static_cast<int8_t>(std::clamp(std::nearbyint(y), -qmax, qmax));
+    if constexpr (std::is_same_v<C, int8_t>)  // min first: a NaN stores as 127, not UB
+      out[j] = static_cast<int8_t>(std::max(-qmax, std::min(qmax, std::nearbyint(y))));
     else
       out[j] = C(y);
   }
