@@ -116,9 +116,11 @@ class QuantizedLinear(nn.Module, ABC):
     # "amx", up to 16 rows its tile path: 5.9 vs 8.4 ms a step at 1 row, 6.9 vs 8.3 at 2, 7.8 vs
     # 8.5 at 3, 9.2 vs 8.3 at 4, 28.9 vs 8.3 at 16 (an AMX Xeon, `benchmarks/quant_linear.py`;
     # on the default model's own weights 3 rows measured the other way, 7.4 vs 6.4); "dot"
-    # (vdpbf16ps, no AMX): 5.5 vs 7.2 ms at 1 row, 7.7 vs 8.1 at 4, 13.9 vs 9.1 at 5 (torch's
-    # kernel passes 4 rows at a time), 26.9 vs 15.8 at 16 (an AVX-512 EPYC)
-    GEMM_KERNEL_MAX_ROWS = {"amx": 2, "dot": 4}
+    # (vdpbf16ps, no AMX) from 1 row, its up to 4 rows straight from the packed bytes
+    # (dequant.cpp's gemv_terms): 4.0 vs 4.9 ms at 1 row, 4.0 vs 5.8 at 2, 4.9 vs 7.8 at 4, 9.0
+    # vs 13.8 at 5 (torch's kernel passes 4 rows at a time), 15.8 vs 26.9 at 16 (an AVX-512
+    # EPYC)
+    GEMM_KERNEL_MAX_ROWS = {"amx": 2, "dot": 0}
     # Rows torch's CPU weight-only kernels compute per pass over the weights (BLOCK_M of aten's
     # int4 and int8 kernels): each pass dequantizes every weight again, so 5 rows cost about
     # as much as 8 (one 1536x576 Q4_1 projection: 26 us at 4 rows, 49 at 5).
@@ -234,14 +236,15 @@ class Int4Linear(QuantizedLinear):
     TWO_TERM_KERNEL_MAX_ROWS = 10
     # With int4_gemm the head's dense path wins sooner: on AMX from 2 rows, 2.02 vs 1.69 ms at 2
     # rows, 1.53 vs 1.62 at 1 (an AMX Xeon, `python benchmarks/quant_linear.py --head`); on the
-    # dot path from 3 rows: 4.05 vs 4.57 at 2, 4.85 vs 4.77 at 3, 5.73 vs 5.13 at 4 (the EPYC)
-    GEMM_TWO_TERM_KERNEL_MAX_ROWS = {"amx": 1, "dot": 2}
-    # ... and with int8 activations from 1 row: 1.03 vs 1.60 ms at 1, 1.04 vs 1.97 at 2, 2.26
-    # vs 11.03 at 16 (the EPYC, `python benchmarks/quant_linear.py --head`; bf16's dense 2.04,
-    # 2.04, 4.00); the one-term projections from 3: the kernel 4.8 vs 6.0 ms at 1 row, 5.7 vs
-    # 5.7 at 2, 6.7 vs 5.9 at 3, 7.7 vs 6.0 at 4 (`--batches 1,2,3,4`, `int4 dense a8`).
+    # dot path from 1 row (gemv_terms up to 2 rows): 0.72 vs 1.69 ms at 1, 0.87 vs 2.03 at 2,
+    # 2.38 vs 2.42 at 3 (the EPYC)
+    GEMM_TWO_TERM_KERNEL_MAX_ROWS = {"amx": 1, "dot": 0}
+    # With int8 activations (the dot path only) int4_gemm from 1 row too: up to 4 rows (2 for
+    # the head) it takes gemv_terms, bf16 activations, faster than int8's at these rows (the
+    # head 0.72 vs 0.99 ms at 1 row, the projections 4.0 vs 6.2), past them int8's: the head
+    # 2.26 vs 11.03 at 16 rows (the EPYC, `python benchmarks/quant_linear.py --head`).
     INT8_TWO_TERM_KERNEL_MAX_ROWS = 0
-    INT8_KERNEL_MAX_ROWS = 2
+    INT8_KERNEL_MAX_ROWS = 0
     # Rows up to which int4_gemm runs the dense steps, by path. AMX's brgemm calls run at about
     # a third of its matmul rate, so past ~250 rows the slices' one oneDNN matmul each wins back
     # its reorders: the model's projections 50.8 vs 63.1 ms at 192 rows, 62.9 vs 60.5 at 256,

@@ -59,7 +59,7 @@ GEMM = kernels.dequant().gemm_path() if kernels.dequant() is not None else ""
 # where quantized layers change kernels (see quant.py): with int4_gemm dense wins sooner
 QUANT_ROWS = {
     "amx": KernelRows(wide=2, head=1, tile=4, gemm=240),
-    "dot": KernelRows(wide=4, head=2, tile=4, gemm=512),
+    "dot": KernelRows(wide=0, head=0, tile=4, gemm=512),  # int4_gemm from 1 row (gemv_terms)
     "": KernelRows(wide=32, head=10, tile=4),
 }[GEMM]
 
@@ -352,11 +352,12 @@ def test_a_two_term_layer_switches_to_dense_sooner_and_computes_the_same_either_
     layer = Int4Linear(64, 128, [int4_term(*t) for t in quantize_int8_groups(w, 32)], "Q8_0")
     _, single = _int4_layer(128, 64, 32)
     assert single.kernel_max_rows == QUANT_ROWS.wide
-    assert layer.kernel_max_rows == QUANT_ROWS.head < single.kernel_max_rows
+    assert layer.kernel_max_rows == QUANT_ROWS.head <= single.kernel_max_rows
+    assert layer.kernel_max_rows < single.kernel_max_rows or GEMM == "dot"  # dot: both dense
     ref, dense_rows = layer.dequantize(), []
     dense = layer.dense
     layer.dense = lambda x: dense_rows.append(x.shape[0]) or dense(x)
-    for rows in (layer.kernel_max_rows, layer.kernel_max_rows + 1):
+    for rows in filter(None, (layer.kernel_max_rows, layer.kernel_max_rows + 1)):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         assert _close(layer(x), x.float() @ ref.t())
     assert dense_rows == [layer.kernel_max_rows + 1]
@@ -419,6 +420,32 @@ def test_with_int4_gemm_a_dense_step_multiplies_the_same_bf16_weights_a_block_at
     )
 
 
+@pytest.mark.skipif(GEMM != "dot", reason="gemv_terms: int4_gemm's dot path (AVX512-BF16, no AMX)")
+@pytest.mark.parametrize("kind", ["int4 g32", "int4 g128", "Q8_0"])
+def test_int4_gemm_multiplies_a_few_rows_straight_from_the_packed_bytes(kind):
+    """Up to gemv_rows rows (4; Q8_0's two terms 2) the dot path reads W's nibbles as exact
+    bf16 integers and applies each group's scale and zero point in float: the product with the
+    layer's own float32 weights to the output's bf16 rounding, each element, for a width that
+    is not a multiple of 64; no bf16 rounding of W enters, as it does in the dense steps."""
+    layer = _layer_of(kind, 100, 256)
+    packed, scales_zeros = [t.packed for t in layer.terms], [t.scales_zeros for t in layer.terms]
+    most = kernels.dequant().gemv_rows(len(layer.terms))
+    assert most == (2 if kind == "Q8_0" else 4) and kernels.dequant().gemv_rows(3) == 0
+    ref_w = layer.dequantize().double()
+    gen = torch.Generator().manual_seed(2)
+    for rows in range(1, most + 1):
+        x = torch.randn(rows, 256, generator=gen).bfloat16()
+        y = torch.empty(rows, 100, dtype=torch.bfloat16)
+        kernels.dequant().int4_gemm(y, x, packed, scales_zeros, layer.terms[0].group)
+        want = x.double() @ ref_w.t()
+        err = (y.double() - want).abs()
+        assert (err <= 2**-8 * want.abs() + 1e-5 * want.abs().max()).all(), err.max()
+        # mostly the float product rounded to bf16 itself (float32 sums; measured: all of it)
+        assert (y == want.bfloat16()).float().mean() >= 0.9
+        dense_err = (layer._dense(x).double() - want).abs()  # W rounded to bf16 first
+        assert err.max() <= dense_err.max()
+
+
 # whether int4_gemm takes int8 activations here (AVX512-VNNI on its dot path)
 INT8_ACTIVATIONS = kernels.dequant() is not None and kernels.dequant().int8_activations_here()
 
@@ -446,21 +473,24 @@ def test_int8_activations_multiply_the_weights_by_llama_cpps_q8_blocks_of_each_r
     """With int8 activations a dense step's rows are quantized to int8 a 32 columns at a time
     and multiplied in integers: the output is the float product of those quantized rows with
     the layer's own weights, to bf16 rounding, for any row count int4_gemm runs and a width
-    that is not a multiple of 64: from 3 rows, and for Q8_0 (its two terms one byte) from 1.
-    That is lossy against the bf16 rows (an outlier column coarsens its block), and a one-term
-    layer's steps of 1-2 rows keep torch's kernel and bf16 activations."""
+    that is not a multiple of 64, past the rows it reads the packed bytes directly with bf16
+    activations (gemv_rows: 4, for Q8_0's two terms 2). That is lossy against the bf16 rows
+    (an outlier column coarsens its block)."""
     layer, bf16_layer = _layer_of(kind, 100, 256), _layer_of(kind, 100, 256)
     assert layer.use_int8_activations() and layer.int8_activations
-    assert layer.kernel_max_rows == (0 if kind == "Q8_0" else 2)  # int8's dense wins sooner
+    assert layer.kernel_max_rows == 0  # int4_gemm from 1 row
+    gemv_rows = kernels.dequant().gemv_rows(len(layer.terms))
+    assert gemv_rows == (2 if kind == "Q8_0" else 4)
     ref_w = layer.dequantize().double()
     gen = torch.Generator().manual_seed(1)
-    for rows in (1, 4, 5, 6, 7, 16, 33, 100):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 16, 33, 100):
         x = torch.randn(rows, 256, generator=gen)
         x[:, 3] *= 30  # an outlier column
         xb = x.bfloat16()
         y = layer(xb)
-        if rows <= layer.kernel_max_rows:
+        if rows <= gemv_rows:
             assert torch.equal(y, bf16_layer(xb))
+            assert _close(y, xb.double() @ ref_w.t())
             continue
         want = _llama_cpp_q8_rows(xb).double() @ ref_w.t()
         assert (y.double() - want).abs().max() <= 2**-7 * want.abs().max()

@@ -385,6 +385,121 @@ inline void dot_rows(float* acc, const at::BFloat16* x, int64_t k, const at::BFl
 }
 #endif
 
+#ifdef TANDEM_DOT_GEMM
+// Rows up to which the dot path multiplies W straight from its packed bytes (gemv_terms), by
+// terms: their per-term sums take 4 zmm a row each.
+constexpr int64_t kGemvRows[3] = {0, 4, 2};
+
+// vpermb's index for two columns' 64 packed bytes (32 a column, byte j: row j's nibble low,
+// row j + 32's high): word 2L + e of the result holds column e's bytes of rows L (low byte)
+// and L + 16 (high byte), so that its four nibbles are rows L, L + 16, L + 32 and L + 48 of
+// that column, in the lane vdpbf16ps pairs the two columns in.
+inline __m512i gemv_index() {
+  alignas(64) uint8_t idx[64];
+  for (int lane = 0; lane < 16; ++lane)
+    for (int e = 0; e < 2; ++e) {
+      idx[4 * lane + 2 * e] = static_cast<uint8_t>(32 * e + lane);
+      idx[4 * lane + 2 * e + 1] = static_cast<uint8_t>(32 * e + lane + 16);
+    }
+  return _mm512_load_si512(idx);
+}
+
+// bf16 of 0..15, twice: vpermw reads a word's low 5 bits, the top one another nibble's.
+inline __m512i nibble_bf16_table() {
+  alignas(64) uint16_t table[32];
+  for (int i = 0; i < 32; ++i) table[i] = c10::BFloat16(static_cast<float>(i % 16)).x;
+  return _mm512_load_si512(table);
+}
+
+// acc[R][64] = x's R rows . block b of W, read straight from the packed bytes: each two
+// columns' 64 bytes become the integers q as bf16 (exact) by one byte permute, three shifts
+// and four word lookups, and vdpbf16ps sums x q per term over a group; the group's scale and
+// summed zero point are applied once, in float: sum_t s_t (x . q_t) + z (sum of x). At 1-4
+// rows this is what a step spends (dequant_block_vnni's fma and rounding per weight, and the
+// buffer between them, cost more than the multiplies), and no bf16 rounding of W enters.
+template <int terms, int R>
+void gemv_block(float* acc, const at::BFloat16* x, const float* xsum, const uint8_t* const* ps,
+                const at::BFloat16* const* szs, int64_t n, int64_t k, int64_t group, int64_t b,
+                __m512i index, __m512i table) {
+  for (int i = 0; i < R * 64; ++i) acc[i] = 0.f;
+  const int64_t groups = k / group;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 d[terms][R][4];
+    for (int t = 0; t < terms; ++t)
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < 4; ++v) d[t][r][v] = _mm512_setzero_ps();
+    for (int64_t c = g * group; c < (g + 1) * group; c += 2) {
+      __m512bh xr[R];
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * k + c, sizeof(pair));
+        xr[r] = (__m512bh)_mm512_set1_epi32(pair);
+      }
+      for (int t = 0; t < terms; ++t) {
+        const uint8_t* src = ps[t] + (b * k + c) * 32;
+        __builtin_prefetch(src + kPrefetchBytes);
+        const __m512i words = _mm512_permutexvar_epi8(index, _mm512_loadu_si512(src));
+        const __m512bh w[4] = {
+            (__m512bh)_mm512_permutexvar_epi16(words, table),                         // rows 0-15
+            (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 8), table),   // 16-31
+            (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table),   // 32-47
+            (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 12), table)}; // 48-63
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < 4; ++v) d[t][r][v] = _mm512_dpbf16_ps(d[t][r][v], xr[r], w[v]);
+      }
+    }
+    __m512 vs[terms][4], vz[4];
+    load_params<terms>(vs, vz, szs, n, b, g);
+    for (int r = 0; r < R; ++r) {
+      const __m512 sum = _mm512_set1_ps(xsum[r * groups + g]);
+      for (int v = 0; v < 4; ++v) {
+        __m512 f = _mm512_fmadd_ps(vz[v], sum, _mm512_load_ps(acc + r * 64 + 16 * v));
+        for (int t = 0; t < terms; ++t) f = _mm512_fmadd_ps(d[t][r][v], vs[t][v], f);
+        _mm512_store_ps(acc + r * 64 + 16 * v, f);
+      }
+    }
+  }
+}
+
+// x W^T for m <= kGemvRows[terms] rows, a block at a time (gemv_block), the blocks split
+// between threads.
+template <int terms, int R>
+void gemv_terms(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* ps,
+                const at::BFloat16* const* szs, int64_t n, int64_t n_out, int64_t k,
+                int64_t group) {
+  const int64_t groups = k / group, blocks = (n_out + 63) / 64;
+  float* xsum = reinterpret_cast<float*>(thread_bytes<3>(R * groups * sizeof(float)));
+  for (int r = 0; r < R; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.f;
+      for (int64_t c = g * group; c < (g + 1) * group; ++c) sum += static_cast<float>(x[r * k + c]);
+      xsum[r * groups + g] = sum;
+    }
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    const __m512i index = gemv_index(), table = nibble_bf16_table();
+    alignas(64) float acc[R * 64];
+    for (int64_t b = begin; b < end; ++b) {
+      gemv_block<terms, R>(acc, x, xsum, ps, szs, n, k, group, b, index, table);
+      store_rows(out, n_out, b * 64, std::min<int64_t>(64, n_out - b * 64), acc, R);
+    }
+  });
+}
+
+template <int terms>
+void gemv(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* ps,
+          const at::BFloat16* const* szs, int64_t m, int64_t n, int64_t n_out, int64_t k,
+          int64_t group) {
+  switch (m) {
+    case 1: return gemv_terms<terms, 1>(out, x, ps, szs, n, n_out, k, group);
+    case 2: return gemv_terms<terms, 2>(out, x, ps, szs, n, n_out, k, group);
+  }
+  if constexpr (terms == 1) {
+    if (m == 3) return gemv_terms<1, 3>(out, x, ps, szs, n, n_out, k, group);
+    return gemv_terms<1, 4>(out, x, ps, szs, n, n_out, k, group);
+  }
+}
+#endif
+
 // x W^T a block at a time: each 64-row block of W dequantized into this thread's buffer (in
 // L2, VNNI order), then multiplied there by oneDNN's brgemm (AMX), GEMM_ROWS input rows a
 // call, or, with `dot` (AVX512-BF16 without AMX), by vdpbf16ps, kDotRowGroup rows a pass with
@@ -767,6 +882,16 @@ std::string gemm_path() {
 #endif
 }
 
+// Rows up to which int4_gemm multiplies a weight of `terms` int4 terms straight from its
+// packed bytes here (gemv_terms, bf16 activations whatever int8_activations says); 0: never.
+int64_t gemv_rows(int64_t terms) {
+#ifdef TANDEM_DOT_GEMM
+  return gemm_path() == "dot" && (terms == 1 || terms == 2) ? kGemvRows[terms] : 0;
+#else
+  return 0;
+#endif
+}
+
 // Whether int4_gemm takes int8_activations here: the dot path, on a CPU with AVX512-VNNI.
 // (With AMX its bf16 tiles are the faster path; without AVX512-BF16 there is no int4_gemm.)
 bool int8_activations_here() {
@@ -794,6 +919,15 @@ void int4_gemm(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tenso
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
   const bool dot = path == "dot";
+#ifdef TANDEM_DOT_GEMM
+  // (int8 activations too: at these rows the bytes' conversion, not the multiplies, is the
+  // cost, and bf16 activations lose nothing)
+  if (dot && m <= kGemvRows[w.count]) {
+    if (w.count == 1) gemv<1>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group);
+    else gemv<2>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group);
+    return;
+  }
+#endif
   if (int8_activations) {
     TORCH_CHECK(int8_activations_here(), "int8_activations needs AVX512-VNNI and the dot path");
     TORCH_CHECK(group % 32 == 0, "int8_activations: groups of a multiple of 32 columns");
@@ -824,6 +958,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_gemm", &int4_gemm, "x W^T for int4 (torch CPU layout) W, into out: AMX or AVX512-BF16",
         py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("scales_zeros"), py::arg("group"),
         py::arg("int8_activations") = false);
+  m.def("gemv_rows", &gemv_rows, "rows up to which int4_gemm reads W's packed bytes directly");
   m.def("int8_activations_here", &int8_activations_here,
         "whether int4_gemm takes int8_activations here (AVX512-VNNI, the dot path)");
 }
