@@ -20,8 +20,9 @@ kernels/dequant.cpp) and each slice multiplied while it is still in cache
 weight's dense steps are one C++ call instead (int4_gemm: each 64-row block dequantized into
 AMX's operand order and multiplied in place; with AMX by tile instructions 32 columns at a
 time up to 16 rows, by oneDNN's brgemm past them, 2-3.8x faster than the slices there, used
-from 3 rows to about 240; without, by vdpbf16ps with 6 rows' sums in registers, from 5 rows
-to 512): the layer's `gemm` path, its rows in GEMM_KERNEL_MAX_ROWS and GEMM_MAX_ROWS. The
+from 3 rows to about 240; without, by vdpbf16ps with 6 rows' sums in registers, from 1 row
+to 512, up to 4 rows straight from the packed bytes): the layer's `gemm` path, its rows in
+GEMM_KERNEL_MAX_ROWS and GEMM_MAX_ROWS. The
 kernels take bfloat16 activations (float32 ones take a scalar path 20-60x slower), so a
 float32 model's activations are rounded to bf16 around each quantized matmul.
 """
