@@ -21,7 +21,7 @@ weight's dense steps are one C++ call instead (int4_gemm: each 64-row block dequ
 AMX's operand order and multiplied in place; with AMX by tile instructions 32 columns at a
 time up to 16 rows, by oneDNN's brgemm past them, 2-3.8x faster than the slices there, used
 from 3 rows to about 240; without, by vdpbf16ps with 6 rows' sums in registers, from 1 row
-to 512, up to 4 rows straight from the packed bytes): the layer's `gemm` path, its rows in
+to 512, up to 8 rows straight from the packed bytes): the layer's `gemm` path, its rows in
 GEMM_KERNEL_MAX_ROWS and GEMM_MAX_ROWS. The
 kernels take bfloat16 activations (float32 ones take a scalar path 20-60x slower), so a
 float32 model's activations are rounded to bf16 around each quantized matmul.
@@ -117,10 +117,10 @@ class QuantizedLinear(nn.Module, ABC):
     # "amx", up to 16 rows its tile path: 5.9 vs 8.4 ms a step at 1 row, 6.9 vs 8.3 at 2, 7.8 vs
     # 8.5 at 3, 9.2 vs 8.3 at 4, 28.9 vs 8.3 at 16 (an AMX Xeon, `benchmarks/quant_linear.py`;
     # on the default model's own weights 3 rows measured the other way, 7.4 vs 6.4); "dot"
-    # (vdpbf16ps, no AMX) from 1 row, its up to 4 rows straight from the packed bytes
-    # (dequant.cpp's gemv_terms): 4.0 vs 4.9 ms at 1 row, 4.0 vs 5.8 at 2, 4.9 vs 7.8 at 4, 9.0
-    # vs 13.8 at 5 (torch's kernel passes 4 rows at a time), 15.8 vs 26.9 at 16 (an AVX-512
-    # EPYC)
+    # (vdpbf16ps, no AMX) from 1 row, its up to 8 rows straight from the packed bytes
+    # (dequant.cpp's gemv_terms): 3.9 vs 4.9 ms at 1 row, 4.9 vs 7.8 at 4, 5.6 vs 13.9 at 5
+    # (torch's kernel passes 4 rows at a time), 9.0 vs 14.5 at 8, 15.8 vs 26.9 at 16 (an
+    # AVX-512 EPYC)
     GEMM_KERNEL_MAX_ROWS = {"amx": 2, "dot": 0}
     # Rows torch's CPU weight-only kernels compute per pass over the weights (BLOCK_M of aten's
     # int4 and int8 kernels): each pass dequantizes every weight again, so 5 rows cost about
@@ -240,9 +240,9 @@ class Int4Linear(QuantizedLinear):
     # dot path from 1 row (gemv_terms up to 2 rows): 0.72 vs 1.69 ms at 1, 0.87 vs 2.03 at 2,
     # 2.38 vs 2.42 at 3 (the EPYC)
     GEMM_TWO_TERM_KERNEL_MAX_ROWS = {"amx": 1, "dot": 0}
-    # With int8 activations (the dot path only) int4_gemm from 1 row too: up to 4 rows (2 for
+    # With int8 activations (the dot path only) int4_gemm from 1 row too: up to 8 rows (2 for
     # the head) it takes gemv_terms, bf16 activations, faster than int8's at these rows (the
-    # head 0.72 vs 0.99 ms at 1 row, the projections 4.0 vs 6.2), past them int8's: the head
+    # head 0.72 vs 0.99 ms at 1 row, the projections 3.9 vs 6.2), past them int8's: the head
     # 2.26 vs 11.03 at 16 rows (the EPYC, `python benchmarks/quant_linear.py --head`).
     INT8_TWO_TERM_KERNEL_MAX_ROWS = 0
     INT8_KERNEL_MAX_ROWS = 0

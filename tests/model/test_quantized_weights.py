@@ -423,14 +423,14 @@ def test_with_int4_gemm_a_dense_step_multiplies_the_same_bf16_weights_a_block_at
 @pytest.mark.skipif(GEMM != "dot", reason="gemv_terms: int4_gemm's dot path (AVX512-BF16, no AMX)")
 @pytest.mark.parametrize("kind", ["int4 g32", "int4 g128", "Q8_0"])
 def test_int4_gemm_multiplies_a_few_rows_straight_from_the_packed_bytes(kind):
-    """Up to gemv_rows rows (4; Q8_0's two terms 2) the dot path reads W's nibbles as exact
+    """Up to gemv_rows rows (8; Q8_0's two terms 2) the dot path reads W's nibbles as exact
     bf16 integers and applies each group's scale and zero point in float: the product with the
     layer's own float32 weights to the output's bf16 rounding, each element, for a width that
     is not a multiple of 64; no bf16 rounding of W enters, as it does in the dense steps."""
     layer = _layer_of(kind, 100, 256)
     packed, scales_zeros = [t.packed for t in layer.terms], [t.scales_zeros for t in layer.terms]
     most = kernels.dequant().gemv_rows(len(layer.terms))
-    assert most == (2 if kind == "Q8_0" else 4) and kernels.dequant().gemv_rows(3) == 0
+    assert most == (2 if kind == "Q8_0" else 8) and kernels.dequant().gemv_rows(3) == 0
     ref_w = layer.dequantize().double()
     gen = torch.Generator().manual_seed(2)
     for rows in range(1, most + 1):
@@ -474,16 +474,16 @@ def test_int8_activations_multiply_the_weights_by_llama_cpps_q8_blocks_of_each_r
     and multiplied in integers: the output is the float product of those quantized rows with
     the layer's own weights, to bf16 rounding, for any row count int4_gemm runs and a width
     that is not a multiple of 64, past the rows it reads the packed bytes directly with bf16
-    activations (gemv_rows: 4, for Q8_0's two terms 2). That is lossy against the bf16 rows
+    activations (gemv_rows: 8, for Q8_0's two terms 2). That is lossy against the bf16 rows
     (an outlier column coarsens its block)."""
     layer, bf16_layer = _layer_of(kind, 100, 256), _layer_of(kind, 100, 256)
     assert layer.use_int8_activations() and layer.int8_activations
     assert layer.kernel_max_rows == 0  # int4_gemm from 1 row
     gemv_rows = kernels.dequant().gemv_rows(len(layer.terms))
-    assert gemv_rows == (2 if kind == "Q8_0" else 4)
+    assert gemv_rows == (2 if kind == "Q8_0" else 8)
     ref_w = layer.dequantize().double()
     gen = torch.Generator().manual_seed(1)
-    for rows in (1, 2, 3, 4, 5, 6, 7, 16, 33, 100):
+    for rows in (1, 2, 3, 4, 5, 8, 9, 16, 33, 100):
         x = torch.randn(rows, 256, generator=gen)
         x[:, 3] *= 30  # an outlier column
         xb = x.bfloat16()
@@ -513,9 +513,13 @@ def test_int8_activations_are_taken_by_int4_layers_whose_terms_make_one_byte():
     t = layer.terms[0]
     with pytest.raises(RuntimeError, match="groups of a multiple of 32"):
         kernels.dequant().int4_gemm(
-            torch.empty(8, 128, dtype=torch.bfloat16), torch.zeros(8, 64).bfloat16(),
-            [t.packed], [torch.zeros(4, 128, 2, dtype=torch.bfloat16)], 16, True,  # groups of 16
-        )  # fmt: skip
+            torch.empty(16, 128, dtype=torch.bfloat16),
+            torch.zeros(16, 64).bfloat16(),
+            [t.packed],
+            [torch.zeros(4, 128, 2, dtype=torch.bfloat16)],
+            16,
+            True,  # groups of 16
+        )  # fmt: skip (16 rows: up to gemv_rows it takes bf16 activations, any even group)
 
 
 def test_int8_activations_are_refused_where_they_cannot_run(checkpoints):

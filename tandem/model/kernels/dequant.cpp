@@ -387,8 +387,11 @@ inline void dot_rows(float* acc, const at::BFloat16* x, int64_t k, const at::BFl
 
 #ifdef TANDEM_DOT_GEMM
 // Rows up to which the dot path multiplies W straight from its packed bytes (gemv_terms), by
-// terms: their per-term sums take 4 zmm a row each.
-constexpr int64_t kGemvRows[3] = {0, 4, 2};
+// terms: one term up to 8, whose sums fit in registers in two passes over a group (the model's
+// matmuls 9.0 ms at 8 rows, the block-buffer path 11.9 at 9); two up to 2, past which the
+// block buffer's dequantization, paid once for every 6 rows, wins (the Q8_0 head 2.60 vs 2.38
+// ms at 3 rows)
+constexpr int64_t kGemvRows[3] = {0, 8, 2};
 
 // vpermb's index for two columns' 64 packed bytes (32 a column, byte j: row j's nibble low,
 // row j + 32's high): word 2L + e of the result holds column e's bytes of rows L (low byte)
@@ -411,51 +414,69 @@ inline __m512i nibble_bf16_table() {
   return _mm512_load_si512(table);
 }
 
+// The shift that brings rows 16v .. 16v + 15's nibble to the bottom of gemv_index's words.
+constexpr int kNibbleShift[4] = {0, 8, 4, 12};
+
 // acc[R][64] = x's R rows . block b of W, read straight from the packed bytes: each two
-// columns' 64 bytes become the integers q as bf16 (exact) by one byte permute, three shifts
-// and four word lookups, and vdpbf16ps sums x q per term over a group; the group's scale and
-// summed zero point are applied once, in float: sum_t s_t (x . q_t) + z (sum of x). At 1-4
+// columns' 64 bytes become the integers q as bf16 (exact) by one byte permute, a shift and a
+// word lookup per 16 rows, and vdpbf16ps sums x q per term over a group; the group's scale and
+// summed zero point are applied once, in float: sum_t s_t (x . q_t) + z (sum of x). At a few
 // rows this is what a step spends (dequant_block_vnni's fma and rounding per weight, and the
-// buffer between them, cost more than the multiplies), and no bf16 rounding of W enters.
-template <int terms, int R>
+// buffer between them, cost more than the multiplies), and no bf16 rounding of W enters. V of
+// the block's 4 vectors of 16 rows a pass over it: all 4 while the sums fit in registers
+// (terms * R * 4 <= 16), else 2 (the bytes permuted again for the second pass, from L1).
+template <int terms, int R, int V>
 void gemv_block(float* acc, const at::BFloat16* x, const float* xsum, const uint8_t* const* ps,
                 const at::BFloat16* const* szs, int64_t n, int64_t k, int64_t group, int64_t b,
                 __m512i index, __m512i table) {
   for (int i = 0; i < R * 64; ++i) acc[i] = 0.f;
   const int64_t groups = k / group;
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 d[terms][R][4];
-    for (int t = 0; t < terms; ++t)
-      for (int r = 0; r < R; ++r)
-        for (int v = 0; v < 4; ++v) d[t][r][v] = _mm512_setzero_ps();
-    for (int64_t c = g * group; c < (g + 1) * group; c += 2) {
-      __m512bh xr[R];
-      for (int r = 0; r < R; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, x + r * k + c, sizeof(pair));
-        xr[r] = (__m512bh)_mm512_set1_epi32(pair);
-      }
-      for (int t = 0; t < terms; ++t) {
-        const uint8_t* src = ps[t] + (b * k + c) * 32;
-        __builtin_prefetch(src + kPrefetchBytes);
-        const __m512i words = _mm512_permutexvar_epi8(index, _mm512_loadu_si512(src));
-        const __m512bh w[4] = {
-            (__m512bh)_mm512_permutexvar_epi16(words, table),                         // rows 0-15
-            (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 8), table),   // 16-31
-            (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table),   // 32-47
-            (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 12), table)}; // 48-63
+#pragma GCC unroll 4
+    for (int v0 = 0; v0 < 4; v0 += V) {  // (unrolled: the shifts are immediates)
+      __m512 d[terms][R][V];
+      #pragma GCC unroll 16
+      for (int t = 0; t < terms; ++t)
+        #pragma GCC unroll 16
         for (int r = 0; r < R; ++r)
-          for (int v = 0; v < 4; ++v) d[t][r][v] = _mm512_dpbf16_ps(d[t][r][v], xr[r], w[v]);
+          #pragma GCC unroll 16
+          for (int v = 0; v < V; ++v) d[t][r][v] = _mm512_setzero_ps();
+      for (int64_t c = g * group; c < (g + 1) * group; c += 2) {
+        __m512bh xr[R];
+        #pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, x + r * k + c, sizeof(pair));
+          xr[r] = (__m512bh)_mm512_set1_epi32(pair);
+        }
+        #pragma GCC unroll 16
+        for (int t = 0; t < terms; ++t) {
+          const uint8_t* src = ps[t] + (b * k + c) * 32;
+          if (v0 == 0) __builtin_prefetch(src + kPrefetchBytes);
+          const __m512i words = _mm512_permutexvar_epi8(index, _mm512_loadu_si512(src));
+          #pragma GCC unroll 16
+          for (int v = 0; v < V; ++v) {
+            const int shift = kNibbleShift[v0 + v];
+            const __m512i nibbles = shift ? _mm512_srli_epi16(words, shift) : words;
+            const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(nibbles, table);
+            #pragma GCC unroll 16
+            for (int r = 0; r < R; ++r) d[t][r][v] = _mm512_dpbf16_ps(d[t][r][v], xr[r], w);
+          }
+        }
       }
-    }
-    __m512 vs[terms][4], vz[4];
-    load_params<terms>(vs, vz, szs, n, b, g);
-    for (int r = 0; r < R; ++r) {
-      const __m512 sum = _mm512_set1_ps(xsum[r * groups + g]);
-      for (int v = 0; v < 4; ++v) {
-        __m512 f = _mm512_fmadd_ps(vz[v], sum, _mm512_load_ps(acc + r * 64 + 16 * v));
-        for (int t = 0; t < terms; ++t) f = _mm512_fmadd_ps(d[t][r][v], vs[t][v], f);
-        _mm512_store_ps(acc + r * 64 + 16 * v, f);
+      __m512 vs[terms][4], vz[4];  // (loaded here, not held in registers through the sums)
+      load_params<terms>(vs, vz, szs, n, b, g);
+      #pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m512 sum = _mm512_set1_ps(xsum[r * groups + g]);
+        #pragma GCC unroll 16
+        for (int v = 0; v < V; ++v) {
+          float* a = acc + r * 64 + 16 * (v0 + v);
+          __m512 f = _mm512_fmadd_ps(vz[v0 + v], sum, _mm512_load_ps(a));
+          #pragma GCC unroll 16
+          for (int t = 0; t < terms; ++t) f = _mm512_fmadd_ps(d[t][r][v], vs[t][v0 + v], f);
+          _mm512_store_ps(a, f);
+        }
       }
     }
   }
@@ -475,11 +496,12 @@ void gemv_terms(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* 
       for (int64_t c = g * group; c < (g + 1) * group; ++c) sum += static_cast<float>(x[r * k + c]);
       xsum[r * groups + g] = sum;
     }
+  constexpr int V = terms * R * 4 <= 16 ? 4 : 2;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     const __m512i index = gemv_index(), table = nibble_bf16_table();
     alignas(64) float acc[R * 64];
     for (int64_t b = begin; b < end; ++b) {
-      gemv_block<terms, R>(acc, x, xsum, ps, szs, n, k, group, b, index, table);
+      gemv_block<terms, R, V>(acc, x, xsum, ps, szs, n, k, group, b, index, table);
       store_rows(out, n_out, b * 64, std::min<int64_t>(64, n_out - b * 64), acc, R);
     }
   });
@@ -494,8 +516,14 @@ void gemv(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* ps,
     case 2: return gemv_terms<terms, 2>(out, x, ps, szs, n, n_out, k, group);
   }
   if constexpr (terms == 1) {
-    if (m == 3) return gemv_terms<1, 3>(out, x, ps, szs, n, n_out, k, group);
-    return gemv_terms<1, 4>(out, x, ps, szs, n, n_out, k, group);
+    switch (m) {
+      case 3: return gemv_terms<1, 3>(out, x, ps, szs, n, n_out, k, group);
+      case 4: return gemv_terms<1, 4>(out, x, ps, szs, n, n_out, k, group);
+      case 5: return gemv_terms<1, 5>(out, x, ps, szs, n, n_out, k, group);
+      case 6: return gemv_terms<1, 6>(out, x, ps, szs, n, n_out, k, group);
+      case 7: return gemv_terms<1, 7>(out, x, ps, szs, n, n_out, k, group);
+      default: return gemv_terms<1, 8>(out, x, ps, szs, n, n_out, k, group);
+    }
   }
 }
 #endif
