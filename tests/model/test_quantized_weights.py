@@ -511,15 +511,12 @@ def test_int8_activations_are_taken_by_int4_layers_whose_terms_make_one_byte():
     assert not copied.use_int8_activations()
     layer = _layer_of("int4 g32", 128, 64)
     t = layer.terms[0]
+    # groups of 16, at 16 rows (up to gemv_rows it takes bf16 activations, any even group)
     with pytest.raises(RuntimeError, match="groups of a multiple of 32"):
         kernels.dequant().int4_gemm(
-            torch.empty(16, 128, dtype=torch.bfloat16),
-            torch.zeros(16, 64).bfloat16(),
-            [t.packed],
-            [torch.zeros(4, 128, 2, dtype=torch.bfloat16)],
-            16,
-            True,  # groups of 16
-        )  # fmt: skip (16 rows: up to gemv_rows it takes bf16 activations, any even group)
+            torch.empty(16, 128, dtype=torch.bfloat16), torch.zeros(16, 64).bfloat16(),
+            [t.packed], [torch.zeros(4, 128, 2, dtype=torch.bfloat16)], 16, True,
+        )  # fmt: skip
 
 
 def test_int8_activations_are_refused_where_they_cannot_run(checkpoints):
