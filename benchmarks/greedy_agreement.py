@@ -23,19 +23,10 @@ import gc
 import statistics
 
 from tandem import LLM, SamplingParams
-from tandem.bench.sharegpt import default_path, iter_entries
+from tandem.bench.sharegpt import first_user_turns
+from tandem.bench.workloads import CHAT_PROMPTS
 from tandem.runner.scoring import token_logprobs
 
-CHATS = [  # tests/model/test_quantized_weights.py's
-    "What is the capital of France? Tell me about it.",
-    "Explain in two sentences why the sky is blue.",
-    "Write a haiku about the sea.",
-    "List three uses of copper.",
-    "How do I boil an egg?",
-    "What is 17 times 23?",
-    "Who wrote Hamlet?",
-    "Give me a tip for learning Python.",
-]
 PATHS = {
     "float32": dict(dtype="float32", quantization="none"),
     "bf16": dict(dtype="bfloat16", quantization="none"),
@@ -46,18 +37,8 @@ PATHS = {
 
 
 def prompts(n: int) -> list[str]:
-    """The 8 chats, then ShareGPT's first user turns of 20-400 characters."""
-    out = CHATS[:n]
-    with open(default_path(), "rb") as f:
-        head = f.read(8 << 20).decode("utf-8", errors="replace")
-    for entry in iter_entries(head):
-        if len(out) >= n:
-            break
-        turns = entry.get("conversations") or []
-        text = turns[0].get("value", "") if turns and turns[0].get("from") == "human" else ""
-        if 20 < len(text) < 400:
-            out.append(text)
-    return out
+    """The tests' chat prompts, then ShareGPT's first user turns of 20-400 characters."""
+    return [*CHAT_PROMPTS, *first_user_turns(n)][:n]
 
 
 def agreed(a: list[int], b: list[int]) -> int:

@@ -72,6 +72,26 @@ def read_conversations(path: str | Path) -> list[dict]:
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant"}
 
 
+def first_user_turns(
+    n: int, shortest: int = 20, longest: int = 400, path: str | Path | None = None
+):
+    """The first n conversations' opening user turns of shortest-longest characters, in file
+    order (prompts for benchmarks/greedy_agreement.py). Reads the file's first 8 MB."""
+    with open(path or default_path(), "rb") as f:
+        head = f.read(8 << 20).decode("utf-8", errors="replace")
+    out = []
+    for entry in iter_entries(head):
+        turns = entry.get("conversations") or []
+        text = (
+            turns[0].get("value", "") if turns and ROLES.get(turns[0].get("from")) == "user" else ""
+        )
+        if shortest < len(text) < longest:
+            out.append(text)
+            if len(out) == n:
+                break
+    return out
+
+
 def chat_token_ids(tokenizer, total: int, longest: int, path: str | Path | None = None):
     """Token ids of the file's first conversations in the tokenizer's chat template, each cut
     to `longest`, `total` in all: real text to score (benchmarks/kv_perplexity.py). Reads only

@@ -18,6 +18,19 @@ from dataclasses import dataclass, field
 
 MAX_TRIES = 20
 
+# Short chat prompts whose greedy replies the quantization tests and
+# benchmarks/greedy_agreement.py compare between numeric paths.
+CHAT_PROMPTS = (
+    "What is the capital of France? Tell me about it.",
+    "Explain in two sentences why the sky is blue.",
+    "Write a haiku about the sea.",
+    "List three uses of copper.",
+    "How do I boil an egg?",
+    "What is 17 times 23?",
+    "Who wrote Hamlet?",
+    "Give me a tip for learning Python.",
+)
+
 
 @dataclass(frozen=True)
 class BenchRequest:

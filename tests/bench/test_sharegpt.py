@@ -103,3 +103,21 @@ def test_chat_token_ids_takes_the_first_conversations_in_the_chat_template(tmp_p
     assert docs[0] == [5, 1, 1, 1, 10, 1, 1, 1, 1]  # "user:" w w w "assistant:" w w w w
     with pytest.raises(ValueError, match="only 145 tokens"):
         sharegpt.chat_token_ids(TemplateTokenizer(), 1000, 20 * 4, path)
+
+
+def test_first_user_turns_are_the_opening_user_turns_within_the_lengths_in_file_order(tmp_path):
+    entries = [
+        entry(0, "short", "a"),  # too short
+        entry(1, "the first question that fits", "b"),
+        {"id": "c2", "conversations": [{"from": "gpt", "value": "a reply opening the chat"}]},
+        entry(3, "x" * 500, "c"),  # too long
+        entry(4, "the second question that fits", "d"),
+        entry(5, "a third question, not asked for", "e"),
+    ]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(entries))
+    assert sharegpt.first_user_turns(2, path=path) == [
+        "the first question that fits",
+        "the second question that fits",
+    ]
+    assert len(sharegpt.first_user_turns(10, path=path)) == 3  # as many as there are

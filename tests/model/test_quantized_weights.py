@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.bench.workloads import CHAT_PROMPTS
 from tandem.core.cost_model import KernelRows
 from tandem.core.model_config import default_model_path
 from tandem.engine.config import EngineConfig
@@ -37,16 +38,7 @@ from tandem.model.quant import (
 from tandem.model.quantize import check_activation_quantization, check_device
 from tandem.runner.builder import kernel_rows, quantization_method
 
-CHATS = [
-    "What is the capital of France? Tell me about it.",
-    "Explain in two sentences why the sky is blue.",
-    "Write a haiku about the sea.",
-    "List three uses of copper.",
-    "How do I boil an egg?",
-    "What is 17 times 23?",
-    "Who wrote Hamlet?",
-    "Give me a tip for learning Python.",
-]
+CHATS = list(CHAT_PROMPTS)
 
 
 def _int4_layer(n, k, group, seed=0):
