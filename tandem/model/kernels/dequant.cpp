@@ -435,45 +435,35 @@ void gemv_block(float* acc, const at::BFloat16* x, const float* xsum, const uint
 #pragma GCC unroll 4
     for (int v0 = 0; v0 < 4; v0 += V) {  // (unrolled: the shifts are immediates)
       __m512 d[terms][R][V];
-      #pragma GCC unroll 16
       for (int t = 0; t < terms; ++t)
-        #pragma GCC unroll 16
         for (int r = 0; r < R; ++r)
-          #pragma GCC unroll 16
           for (int v = 0; v < V; ++v) d[t][r][v] = _mm512_setzero_ps();
       for (int64_t c = g * group; c < (g + 1) * group; c += 2) {
         __m512bh xr[R];
-        #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
           int32_t pair;
           std::memcpy(&pair, x + r * k + c, sizeof(pair));
           xr[r] = (__m512bh)_mm512_set1_epi32(pair);
         }
-        #pragma GCC unroll 16
         for (int t = 0; t < terms; ++t) {
           const uint8_t* src = ps[t] + (b * k + c) * 32;
           if (v0 == 0) __builtin_prefetch(src + kPrefetchBytes);
           const __m512i words = _mm512_permutexvar_epi8(index, _mm512_loadu_si512(src));
-          #pragma GCC unroll 16
           for (int v = 0; v < V; ++v) {
             const int shift = kNibbleShift[v0 + v];
             const __m512i nibbles = shift ? _mm512_srli_epi16(words, shift) : words;
             const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(nibbles, table);
-            #pragma GCC unroll 16
             for (int r = 0; r < R; ++r) d[t][r][v] = _mm512_dpbf16_ps(d[t][r][v], xr[r], w);
           }
         }
       }
       __m512 vs[terms][4], vz[4];  // (loaded here, not held in registers through the sums)
       load_params<terms>(vs, vz, szs, n, b, g);
-      #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
         const __m512 sum = _mm512_set1_ps(xsum[r * groups + g]);
-        #pragma GCC unroll 16
         for (int v = 0; v < V; ++v) {
           float* a = acc + r * 64 + 16 * (v0 + v);
           __m512 f = _mm512_fmadd_ps(vz[v0 + v], sum, _mm512_load_ps(a));
-          #pragma GCC unroll 16
           for (int t = 0; t < terms; ++t) f = _mm512_fmadd_ps(d[t][r][v], vs[t][v0 + v], f);
           _mm512_store_ps(a, f);
         }
@@ -522,9 +512,10 @@ void gemv(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* ps,
       case 5: return gemv_terms<1, 5>(out, x, ps, szs, n, n_out, k, group);
       case 6: return gemv_terms<1, 6>(out, x, ps, szs, n, n_out, k, group);
       case 7: return gemv_terms<1, 7>(out, x, ps, szs, n, n_out, k, group);
-      default: return gemv_terms<1, 8>(out, x, ps, szs, n, n_out, k, group);
+      case 8: return gemv_terms<1, 8>(out, x, ps, szs, n, n_out, k, group);
     }
   }
+  TORCH_CHECK(false, "gemv: ", m, " rows of ", terms, " terms, past kGemvRows");
 }
 #endif
 
