@@ -239,13 +239,11 @@ class Int4Linear(QuantizedLinear):
     # rows, 1.53 vs 1.62 at 1 (an AMX Xeon, `python benchmarks/quant_linear.py --head`); on the
     # dot path from 1 row (gemv_terms up to 2 rows): 0.72 vs 1.69 ms at 1, 0.87 vs 2.03 at 2,
     # 2.38 vs 2.42 at 3 (the EPYC)
+    # (int8 activations run on the dot path only, so from 1 row too: up to 8 rows, 2 for the
+    # head, int4_gemm takes gemv_terms with bf16 activations, faster than int8's at these rows,
+    # the head 0.72 vs 0.99 ms at 1 row, the projections 3.9 vs 6.2; past them int8's: the head
+    # 2.26 vs 11.03 at 16 rows, the EPYC, `python benchmarks/quant_linear.py --head`)
     GEMM_TWO_TERM_KERNEL_MAX_ROWS = {"amx": 1, "dot": 0}
-    # With int8 activations (the dot path only) int4_gemm from 1 row too: up to 8 rows (2 for
-    # the head) it takes gemv_terms, bf16 activations, faster than int8's at these rows (the
-    # head 0.72 vs 0.99 ms at 1 row, the projections 3.9 vs 6.2), past them int8's: the head
-    # 2.26 vs 11.03 at 16 rows (the EPYC, `python benchmarks/quant_linear.py --head`).
-    INT8_TWO_TERM_KERNEL_MAX_ROWS = 0
-    INT8_KERNEL_MAX_ROWS = 0
     # Rows up to which int4_gemm runs the dense steps, by path. AMX's brgemm calls run at about
     # a third of its matmul rate, so past ~250 rows the slices' one oneDNN matmul each wins back
     # its reorders: the model's projections 50.8 vs 63.1 ms at 192 rows, 62.9 vs 60.5 at 256,
@@ -267,10 +265,8 @@ class Int4Linear(QuantizedLinear):
     @property
     def kernel_max_rows(self) -> int:
         if len(self.terms) == 1:
-            return self.INT8_KERNEL_MAX_ROWS if self.int8_activations else super().kernel_max_rows
+            return super().kernel_max_rows
         two_term = self.GEMM_TWO_TERM_KERNEL_MAX_ROWS.get(self.gemm, self.TWO_TERM_KERNEL_MAX_ROWS)
-        if self.int8_activations:
-            two_term = self.INT8_TWO_TERM_KERNEL_MAX_ROWS
         return min(super().kernel_max_rows, two_term)
 
     @property
@@ -293,7 +289,8 @@ class Int4Linear(QuantizedLinear):
         whether this layer can: on int4_gemm's dot path, where the CPU has AVX512-VNNI, one
         term, or two that make one byte (16 q_hi + q_lo: the high term's scales 16 times the
         low one's, as GGUF's Q8_0 and Q5 types and the HF head's 8 bits are). Lossy: the
-        other steps (few rows, torch's kernel; past gemm_max_rows) keep bf16 activations."""
+        other steps (up to gemv_rows, int4_gemm's few-row path; past gemm_max_rows) keep bf16
+        activations."""
         ok = (
             (len(self.terms) == 1 or _one_byte(self.terms))
             and self.gemm == "dot"
