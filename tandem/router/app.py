@@ -129,7 +129,7 @@ class Router:
 
     async def _try(self, worker: WorkerState, path, raw, headers, stream, route):
         """The worker's answer, or None when it failed before its first token (retry)."""
-        self.pool.policy.routed(worker, route)
+        receipt = self.pool.policy.routed(worker, route)
         self.metrics.requests.labels(worker.id).inc()
         self.pool.workers[worker.id].requests += 1
         worker.in_flight += 1
@@ -164,6 +164,7 @@ class Router:
             )
         except _Failed as e:
             log.warning("router: worker %s failed before a token: %s", worker.id, e)
+            self.pool.policy.withdraw(worker.id, receipt)  # it holds none of this prompt
             if not e.busy:  # an overloaded worker (503) is retried elsewhere, not ejected
                 self.pool.failed(worker.id, str(e))
             return None

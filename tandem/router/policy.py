@@ -1,7 +1,8 @@
 """Routing policies: plain Python, no torch, no I/O, so the simulator can run them too.
 
     order = policy.rank(workers, request)   # preference order among healthy workers
-    policy.routed(worker, request)          # what the worker now holds (prefix-aware)
+    receipt = policy.routed(worker, request)  # what the worker now holds (prefix-aware)
+    policy.withdraw(worker_id, receipt)     # ... unless the request failed there (retried)
     policy.forget(worker_id)                # a worker removed or restarted
 
 A policy never sees sockets: the pool (router/pool.py) hands it `WorkerState`s, refreshed
@@ -51,7 +52,9 @@ class RoutingPolicy(Protocol):
 
     def rank(self, workers: list[WorkerState], request: RouteRequest) -> list[WorkerState]: ...
 
-    def routed(self, worker: WorkerState, request: RouteRequest) -> None: ...
+    def routed(self, worker: WorkerState, request: RouteRequest) -> object: ...
+
+    def withdraw(self, worker_id: str, receipt: object) -> None: ...
 
     def forget(self, worker_id: str) -> None: ...
 
@@ -68,7 +71,10 @@ class RoundRobin:
         first = next(self._turn) % len(workers)
         return workers[first:] + workers[:first]
 
-    def routed(self, worker, request) -> None:
+    def routed(self, worker, request) -> object:
+        return None
+
+    def withdraw(self, worker_id, receipt) -> None:
         pass
 
     def forget(self, worker_id) -> None:
@@ -108,12 +114,21 @@ class PrefixTree:
             n += 1
         return n
 
-    def insert(self, text: str) -> None:
+    def insert(self, text: str) -> list[int]:
+        """Record the prompt's chunks; -> the ones that were new (what `remove` takes back)."""
+        new = []
         for h in self._chain(text):
+            if h not in self._seen:
+                new.append(h)
             self._seen[h] = None
             self._seen.move_to_end(h)
         while len(self._seen) > self.capacity:
             self._seen.popitem(last=False)
+        return new
+
+    def remove(self, chunks: list[int]) -> None:
+        for h in chunks:
+            self._seen.pop(h, None)
 
     def __len__(self) -> int:
         return len(self._seen)
@@ -159,8 +174,15 @@ class PrefixAware(LeastLoad):
         # a new prompt: the least loaded, then the one caching least (room for it), as SGLang
         return sorted(by_load, key=lambda w: (w.load, len(self._tree(w.id))))
 
-    def routed(self, worker, request) -> None:
-        self._tree(worker.id).insert(request.text)
+    def routed(self, worker, request) -> object:
+        return self._tree(worker.id).insert(request.text)
+
+    def withdraw(self, worker_id, receipt) -> None:
+        """The request failed on the worker before it computed anything: the chunks its
+        routing added there are not cached there after all."""
+        tree = self.trees.get(worker_id)
+        if tree is not None and receipt:
+            tree.remove(receipt)
 
     def forget(self, worker_id) -> None:
         self.trees.pop(worker_id, None)

@@ -38,6 +38,7 @@ class Worker:
     prefix_hits: float = 0.0
     ejections: int = 0
     errors: list[str] = field(default_factory=list)
+    instance: str | None = None  # the process behind the URL, as its /health names it
 
 
 class WorkerPool:
@@ -157,6 +158,7 @@ class WorkerPool:
             why = f"/health {r.status_code}"
         now = time.monotonic()
         if ok:
+            self._check_identity(worker, r)
             if not worker.state.healthy:
                 log.info("router: worker %s readmitted", worker.state.id)
             worker.state.healthy, worker.failures, worker.backoff = True, 0, 0.0
@@ -170,6 +172,24 @@ class WorkerPool:
             worker.next_probe = now + worker.backoff
         else:
             worker.next_probe = now + self.probe_interval
+
+    def _check_identity(self, worker: Worker, health: httpx.Response) -> None:
+        """A new process at the worker's URL (restarted: same address, empty cache) makes
+        the policy forget what it believed the old one cached."""
+        try:
+            body = health.json()
+            instance = str(body["instance_id"]) if isinstance(body, dict) else None
+        except (ValueError, KeyError):
+            instance = None  # a worker that names no instance (not tandem, or older)
+        if instance and worker.instance and instance != worker.instance:
+            self.policy.forget(worker.state.id)
+            log.info(
+                "router: worker %s restarted (instance %s, was %s): its prefix cache is forgotten",
+                worker.state.id,
+                instance,
+                worker.instance,
+            )
+        worker.instance = instance or worker.instance
 
     def _read_metrics(self, worker: Worker, text: str) -> None:
         sums: dict[str, float] = {}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hmac
+import time
+import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI
@@ -126,11 +128,15 @@ def build_app(state: ServerState) -> FastAPI:
         await serving.loras.unload(req.lora_name)
         return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
+    # Which process answers at this address: a router that sees the id change knows the
+    # worker restarted (its prefix cache is empty) though its URL stayed the same.
+    identity = {"instance_id": uuid.uuid4().hex[:16], "started": round(time.time(), 3)}
+
     @app.get("/health")
     async def health() -> Response:
         if engine.dead:
             raise unavailable(f"the engine is dead: {engine.dead}")
-        return Response(status_code=200)
+        return json_response({"status": "ok", **identity})
 
     @app.get("/ping")
     async def ping() -> Response:  # SageMaker's and vLLM's alias of /health
@@ -142,7 +148,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/version")
     async def version() -> Response:
-        return json_response({"version": __version__})
+        return json_response({"version": __version__, **identity})
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -81,3 +81,50 @@ def test_cost_aware_prefers_the_cached_worker_until_its_queue_costs_more():
 def test_the_router_policies_import_no_torch():
     code = "import sys, tandem.router.policy, tandem.router.pool; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_request_withdrawn_after_failing_leaves_no_trace_on_that_worker():
+    """The router retries a request that failed on a worker elsewhere: what its routing added
+    to the failed worker's tree is taken back, what was there before stays."""
+    ws, policy = _workers(), PrefixAware()
+    shared = "a shared system prompt for every conversation " * 10
+    first = _route(policy, ws, shared)
+    request = RouteRequest(shared + " and a new question that failed " * 10)
+    receipt = policy.routed(first, request)
+    assert policy.trees[first.id].match(request.text) == policy.trees[first.id].chunks(request.text)
+    policy.withdraw(first.id, receipt)
+    tree = policy.trees[first.id]
+    assert tree.match(request.text) == tree.match(shared) == tree.chunks(shared)
+
+
+def test_a_restarted_worker_is_forgotten_when_its_health_names_another_instance():
+    """The pool reads each worker's instance id from /health: a new id at the same URL (the
+    process restarted, its cache is empty) makes the policy forget that worker's tree."""
+    import asyncio
+
+    import httpx
+
+    from tandem.router.pool import WorkerPool
+
+    instance = {"id": "first"}
+
+    def worker(request: httpx.Request) -> httpx.Response:  # the worker, outside the pool
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok", "instance_id": instance["id"]})
+        return httpx.Response(200, text="")
+
+    async def run():
+        client = httpx.AsyncClient(transport=httpx.MockTransport(worker))
+        policy = PrefixAware()
+        pool = WorkerPool(["http://w1"], policy, client)
+        (w,) = pool.workers.values()
+        await pool.probe(w)
+        policy.routed(w.state, RouteRequest("cached context " * 20))
+        await pool.probe(w)  # the same process: its tree stays
+        assert policy.trees[w.state.id].match("cached context " * 20) > 0
+        instance["id"] = "second"
+        await pool.probe(w)
+        assert policy.trees.get(w.state.id) is None and w.instance == "second"
+        await client.aclose()
+
+    asyncio.run(run())

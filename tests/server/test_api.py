@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -273,8 +274,13 @@ def test_models_health_version(client, http, model_name):
     models = client.models.list()
     assert [m.id for m in models.data] == [model_name]
     assert models.data[0].model_extra["max_model_len"] == 1024
-    assert http.get("/health").status_code == 200
-    assert http.get("/version").json() == {"version": "0.1.0"}
+    health = http.get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    version = http.get("/version").json()
+    assert version["version"] == "0.1.0"
+    # which process answers (a router tells a restarted worker by it): stable while it runs
+    assert version["instance_id"] == health.json()["instance_id"] != ""
+    assert 0 < time.time() - version["started"] < 3600
 
 
 def test_tokenize_and_detokenize(http, tokenizer, model_name):
