@@ -198,6 +198,18 @@ class KVCacheManager:
         self.pool.put_free(freed)
         return len(freed)
 
+    def purge_lora(self, lora_id: int) -> int:
+        """Drop every cached block computed with adapter `lora_id` (no request may hold one:
+        the caller unloads an adapter nobody uses), so an adapter loaded later under the same
+        id never hits the old one's KV; return how many were freed."""
+        if self.cache is None or not lora_id:
+            return 0
+        lo, hi = lora_id << 32, (lora_id + 1) << 32  # its keys' range (_keyed)
+        roots = [n for key, n in self.cache.root.children.items() if lo <= key[0] < hi]
+        freed = [b for node in roots for b in self.cache.discard(node.block_id)]
+        self.pool.put_free(freed)
+        return len(freed)
+
     @property
     def num_evicted(self) -> int:
         return self.cache.num_evicted if self.cache else 0

@@ -187,10 +187,11 @@ class EngineCore:
         req = self.scheduler.reserved[request_id]
         self.runner.import_kv(req.block_ids, start, kv)
 
-    def receive_layer(self, request_id: str, layer: int, start: int, k, v) -> None:
-        """One layer's K and V ([tokens, kv_heads, head_dim]) of positions from `start`."""
+    def receive_layer(self, request_id: str, layer: int, start: int, k, v, scales=None) -> None:
+        """One layer's K and V ([tokens, kv_heads, head_dim]; 8-bit ones with their scales
+        [2, tokens, kv_heads]) of positions from `start`."""
         req = self.scheduler.reserved[request_id]
-        self.runner.import_layer(req.block_ids, layer, start, k, v)
+        self.runner.import_layer(req.block_ids, layer, start, k, v, scales)
 
     def commit(self, request_id: str, first_token: int, logprobs=None) -> list[EngineCoreOutput]:
         """All of the prompt's KV is here: decode on from the token the sender sampled."""
@@ -248,6 +249,7 @@ class EngineCore:
             raise ValueError(f"lora: adapter {lora_id} is in use by {users} request(s)")
         self.runner.remove_lora(lora_id)
         self.lora_ids.discard(lora_id)
+        self.scheduler.kv.purge_lora(lora_id)  # its KV goes with it: the id may be reused
 
     def reset_prefix_cache(self) -> int:
         return self.scheduler.kv.reset_prefix_cache()

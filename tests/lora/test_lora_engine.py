@@ -180,3 +180,27 @@ def test_lora_requests_without_enable_lora_are_refused(checkpoints, adapters):
     llm = LLM(str(checkpoints["llama"]), dtype="float32", kv_cache_memory=0.01)
     with pytest.raises(ValueError, match="enable_lora"):
         llm.generate([[5, 6]], GREEDY, use_tqdm=False, lora_request=lora(adapters, "all"))
+
+
+def test_an_adapter_loaded_under_a_removed_ones_id_never_hits_its_kv(
+    checkpoints, adapters, peft_models
+):
+    """remove_lora purges the radix blocks keyed by that id: a different adapter loaded under
+    the same id recomputes the prompt and answers as its own weights say."""
+    llm = lora_llm(checkpoints, max_loras=1, block_size=4)
+    prompt = prompts_of_lengths([33], seed=5)[0]
+    kv = llm.engine.scheduler.kv
+    llm.generate([prompt], GREEDY, use_tqdm=False)  # the base model's blocks
+    base = kv.cache.num_cached_blocks
+    first = LoRARequest("all", 1, str(adapters["all"]))
+    llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=first)
+    assert kv.cache.num_cached_blocks == 2 * base  # (49 tokens: 12 full blocks each)
+    llm.remove_lora(1)
+    assert kv.cache.num_cached_blocks == base  # the adapter's went, the base's stay
+    assert_all_released(llm)
+    before = kv.stats.hits
+    second = LoRARequest("attn", 1, str(adapters["attn"]))  # the same id, other weights
+    out = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=second)[0]
+    assert kv.stats.hits == before  # nothing of the removed adapter's KV was served
+    assert out.outputs[0].token_ids == hf_greedy(peft_models("attn"), prompt, 16)[0]
+    assert_all_released(llm)
