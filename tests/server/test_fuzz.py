@@ -20,12 +20,16 @@ def _operations(url: str):
     return [result.ok() for result in schema.get_all_operations()]
 
 
-@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-def test_no_request_gets_a_server_error(fuzz_server, mode):
-    operations = _operations(fuzz_server.url)
+MODES = [GenerationMode.POSITIVE, GenerationMode.NEGATIVE]
+
+
+def _fuzz(url: str, mode: GenerationMode) -> list[str]:
+    """Every operation fuzzed in `mode`; -> the failures (one per operation at most)."""
+    operations = _operations(url)
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions"}
     if mode is GenerationMode.NEGATIVE:  # a GET without parameters has nothing to break
         operations = [op for op in operations if op.method.lower() == "post"]
+    failures = []
     for op in operations:
 
         @given(case=op.as_strategy(mode))
@@ -37,19 +41,36 @@ def test_no_request_gets_a_server_error(fuzz_server, mode):
             database=None,
         )
         def call(case):
-            response = case.call(base_url=fuzz_server.url, timeout=60)
+            response = case.call(base_url=url, timeout=60)
             where = f"{case.method} {case.path} {case.body!r:.300}"
             assert response.status_code < 500, (response.status_code, response.text[:300], where)
             content_type = (response.headers.get("content-type") or [""])[0]  # a list here
             if content_type.startswith("text/event-stream"):
                 assert '"server_error"' not in response.text, (response.text[-300:], where)
 
-        call()
-        assert httpx.get(f"{fuzz_server.url}/health", timeout=10).status_code == 200
+        try:
+            call()
+        except AssertionError as e:
+            failures.append(f"{op.method.upper()} {op.path}: {e}")
+        if httpx.get(f"{url}/health", timeout=10).status_code != 200:
+            failures.append(f"unhealthy after {op.method.upper()} {op.path}")
+    return failures
 
 
-def test_after_the_fuzzing_nothing_is_held(fuzz_server):
-    """Runs after the cases above (file order): every request has ended and freed its KV."""
+@pytest.fixture(scope="module")
+def fuzzed(fuzz_server) -> dict[GenerationMode, list[str]]:
+    """The fuzzing, run once for the module whichever of its tests runs first (or alone)."""
+    return {mode: _fuzz(fuzz_server.url, mode) for mode in MODES}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_request_gets_a_server_error(fuzzed, mode):
+    assert fuzzed[mode] == []
+
+
+def test_after_the_fuzzing_nothing_is_held(fuzz_server, fuzzed):
+    """Once the fuzzing has run (its fixture, in any test order): every request has ended
+    and freed its KV."""
     deadline = time.monotonic() + 30
     while True:
         m = fuzz_server.metrics()
