@@ -109,12 +109,18 @@ def main() -> None:
         default=max(1, (os.cpu_count() or 2) // 2),
         help="torch threads of each prefill and decode instance (the colocated one uses all)",
     )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="every instance's KV cache (int8/fp8: the wire carries its bytes and scales)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--result-dir", default="bench-results/pd")
     args = ap.parse_args()
     out = Path(args.result_dir)
     out.mkdir(parents=True, exist_ok=True)
-    common = ["--kv-cache-memory", "1", "--disable-uvicorn-access-log"]
+    common = ["--kv-cache-memory", "1", "--disable-uvicorn-access-log",
+              "--kv-cache-dtype", args.kv_cache_dtype]  # fmt: skip
 
     def serve(name, extra, threads=None):
         s = tandem_server(free_port(), args.model, [*common, *extra], out / f"{name}.log")
@@ -155,6 +161,7 @@ def main() -> None:
             s.stop()
 
     per_token = cached["bytes"] / max(1, cached["prompt_tokens"] - cached["cached_tokens"])
+    print(f"\nKV cache {args.kv_cache_dtype}: {per_token:,.0f} bytes on the wire a prompt token")
     print(f"\nmulti-turn: {args.conversations} conversations x {args.turns} turns, "
           f"{args.turn_input} new tokens a turn; the workload's prompts hold {total} tokens, "
           f"{new} of them new")  # fmt: skip
@@ -171,7 +178,7 @@ def main() -> None:
     for label, r in (("1P1D through proxy", pd), ("colocated", local)):
         print(f"  {label:<22} {r['mean_ttft_ms']:>10.0f} {r['p99_ttft_ms']:>10.0f} "
               f"{r['mean_tpot_ms']:>10.1f} {r['p99_tpot_ms']:>10.1f}")  # fmt: skip
-    doc = {"args": vars(args), "suffix_tokens": new, "workload_prompt_tokens": total,
+    doc = {"args": vars(args), "kv_bytes_per_prompt_token": per_token, "suffix_tokens": new, "workload_prompt_tokens": total,
            "multi_turn": {"cached": cached, "uncached": uncached}, "burst": {"pd": pd,
            "colocated": local}}  # fmt: skip
     (out / "pd-disagg.json").write_text(json.dumps(doc, indent=2))

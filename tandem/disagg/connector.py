@@ -55,12 +55,14 @@ class KVSender:
         )
 
     def send_layer(
-        self, address: str, request_id: str, layer: int, num_layers: int, start: int, k, v
-    ) -> int:
-        """Queue one layer's K and V ([tokens, kv_heads, head_dim], on the CPU)."""
-        frames = encode_layer(request_id, layer, num_layers, start, k, v)
+        self, address: str, request_id: str, layer: int, num_layers: int, start: int, k, v,
+        scales=None,
+    ) -> int:  # fmt: skip
+        """Queue one layer's K and V ([tokens, kv_heads, head_dim], on the CPU; 8-bit ones
+        with their scales [2, tokens, kv_heads])."""
+        frames = encode_layer(request_id, layer, num_layers, start, k, v, scales)
         self._send(address, frames)
-        sent = frames[1].nbytes + frames[2].nbytes
+        sent = sum(f.nbytes for f in frames[1:])
         self.bytes_sent += sent
         return sent
 
@@ -124,9 +126,9 @@ class KVReceiver:
 
     def poll(self, on_layer, timeout_ms: int = 0, on_done=None) -> list[tuple[str, int]]:
         """Take every message that has arrived (waiting up to timeout_ms for the first),
-        handing each layer to on_layer(request_id, layer, start, k, v) as it comes (the
-        decode engine writes it straight into its paged cache; k and v are views of the
-        received frame, valid during the call) and each end-of-transfer message to
+        handing each layer to on_layer(request_id, layer, start, k, v, scales) as it comes
+        (the decode engine writes it straight into its paged cache; k, v and an 8-bit
+        layer's scales, else None, are views of the received frames, valid during the call) and each end-of-transfer message to
         on_done(TransferDone). Returns (request_id, start) of the requests whose layers are
         now all in. A malformed message is counted in `num_malformed` and dropped."""
         done = []
@@ -141,7 +143,7 @@ class KVReceiver:
                 if len(frames) == 1:
                     finished = decode_done([frames[0].buffer])
                 else:
-                    header, k, v = decode_layer([f.buffer for f in frames])
+                    header, k, v, scales = decode_layer([f.buffer for f in frames])
             except (ValueError, msgspec.DecodeError, IndexError):
                 self.num_malformed += 1
                 continue
@@ -149,11 +151,11 @@ class KVReceiver:
                 if on_done is not None:
                     on_done(finished)
                 continue
-            self.bytes_received += 2 * k.numel() * k.element_size()
+            self.bytes_received += sum(f.buffer.nbytes for f in frames[1:])
             progress = self._progress.setdefault(
                 header.request_id, _Progress(header.num_layers, header.start, time.monotonic())
             )
-            on_layer(header.request_id, header.layer, header.start, k, v)
+            on_layer(header.request_id, header.layer, header.start, k, v, scales)
             progress.layers.add(header.layer)
             if len(progress.layers) == progress.num_layers:
                 del self._progress[header.request_id]
@@ -187,7 +189,7 @@ class Assembler:
     def __init__(self) -> None:
         self._layers: dict[str, list[tuple[int, torch.Tensor]]] = {}
 
-    def __call__(self, request_id: str, layer: int, start: int, k, v) -> None:
+    def __call__(self, request_id: str, layer: int, start: int, k, v, scales=None) -> None:
         self._layers.setdefault(request_id, []).append((layer, torch.stack([k, v])))  # copied
 
     def take(self, request_id: str) -> torch.Tensor:

@@ -73,7 +73,7 @@ class KVReceiving:
         stats.kv_transfer_seconds, self.transfer_seconds = self.transfer_seconds, []
 
     # ---- the receiver's callbacks ------------------------------------------------------
-    def _on_layer(self, rid: str, layer: int, start: int, k, v) -> None:
+    def _on_layer(self, rid: str, layer: int, start: int, k, v, scales=None) -> None:
         req = self.core.scheduler.reserved.get(rid)
         if req is None:
             return  # aborted, failed or expired: late KV is dropped
@@ -85,7 +85,7 @@ class KVReceiving:
             )
             return
         try:
-            self.core.receive_layer(rid, layer, start, k, v)
+            self.core.receive_layer(rid, layer, start, k, v, scales)
         except (ValueError, RuntimeError, IndexError) as e:
             self._fail(rid, f"KV transfer rejected: {e}")
             return

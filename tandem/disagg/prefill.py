@@ -61,10 +61,12 @@ class KVSendingRunner:
             if req.request_id in failed:
                 continue
             t = req.kv_transfer
-            k, v = self.runner.export_layer(req.block_ids, layer, t.start, req.num_prompt_tokens)
+            k, v, scales = self.runner.export_layer(
+                req.block_ids, layer, t.start, req.num_prompt_tokens
+            )
             try:
                 self.sender.send_layer(
-                    t.address, t.remote_request_id, layer, self.num_layers, t.start, k, v
+                    t.address, t.remote_request_id, layer, self.num_layers, t.start, k, v, scales
                 )
             except KVSendError as e:
                 log.warning("request %s: %s", req.request_id, e)

@@ -3,6 +3,10 @@
 range, the dtype and the shape; the tensors travel as raw bytes, never pickled, and are
 read back without a copy (torch.frombuffer over the received frame).
 
+An 8-bit cache's KV travels as it is stored (int8 or e4m3, a byte a value) with a fourth
+frame, its float32 scales [2, tokens, kv_heads] (K's, then V's): a quarter of float32's bytes
+plus 4 per token and KV head, and the receiver copies the bytes without rounding them again.
+
 After its layers, a request's transfer ends with a one-frame message: the first token the
 sender sampled from the prompt (and its logprobs, when asked for)."""
 
@@ -13,7 +17,14 @@ import warnings
 import msgspec
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": torch.int8,  # an 8-bit cache's, with scales
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)
 _NAMES = {v: k for k, v in DTYPES.items()}
 
 
@@ -25,6 +36,7 @@ class LayerHeader(msgspec.Struct, array_like=True):
     end: int
     dtype: str
     shape: tuple[int, int, int]  # [tokens, kv_heads, head_dim] of K (and of V)
+    scaled: bool = False  # 8-bit: a fourth frame holds the scales [2, tokens, kv_heads]
 
 
 class TransferDone(msgspec.Struct, array_like=True):
@@ -47,23 +59,37 @@ def decode_done(frames) -> TransferDone:
 
 
 def encode_layer(
-    request_id: str, layer: int, num_layers: int, start: int, k: torch.Tensor, v: torch.Tensor
-) -> list:
-    """Frames for one layer: k and v are [tokens, kv_heads, head_dim] on the CPU."""
+    request_id: str, layer: int, num_layers: int, start: int, k: torch.Tensor, v: torch.Tensor,
+    scales: torch.Tensor | None = None,
+) -> list:  # fmt: skip
+    """Frames for one layer: k and v are [tokens, kv_heads, head_dim] on the CPU; 8-bit ones
+    come with their scales [2, tokens, kv_heads] float32."""
     k, v = k.contiguous(), v.contiguous()
+    if (k.dtype in EIGHT_BIT) != (scales is not None):
+        raise ValueError(f"kv: {k.dtype} K and V travel {'with' if scales is None else 'without'} scales")  # fmt: skip
     header = LayerHeader(
-        request_id, layer, num_layers, start, start + k.shape[0], _NAMES[k.dtype], tuple(k.shape)
-    )
-    return [_encode(header), _raw(k), _raw(v)]
+        request_id, layer, num_layers, start, start + k.shape[0], _NAMES[k.dtype], tuple(k.shape),
+        scales is not None,
+    )  # fmt: skip
+    frames = [_encode(header), _raw(k), _raw(v)]
+    if scales is not None:
+        frames.append(_raw(scales.to(torch.float32).contiguous()))
+    return frames
 
 
-def decode_layer(frames) -> tuple[LayerHeader, torch.Tensor, torch.Tensor]:
+def decode_layer(frames) -> tuple[LayerHeader, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(header, K, V, scales or None), the tensors views of the frames."""
     header = _decode_header(bytes(frames[0]))
     dtype = DTYPES.get(header.dtype)
     if dtype is None:
         raise ValueError(f"kv: unknown dtype {header.dtype!r}")
+    if (dtype in EIGHT_BIT) != header.scaled or len(frames) != 3 + header.scaled:
+        raise ValueError(f"kv: {len(frames)} frames of {header.dtype} (scaled: {header.scaled})")
     k, v = (_tensor(f, dtype, header.shape) for f in frames[1:3])
-    return header, k, v
+    scales = None
+    if header.scaled:
+        scales = _tensor(frames[3], torch.float32, (2, *header.shape[:2]))
+    return header, k, v, scales
 
 
 def _raw(t: torch.Tensor) -> memoryview:

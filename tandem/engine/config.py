@@ -157,6 +157,12 @@ class EngineConfig:
     enable_lora: bool = _flag(False, "serve LoRA adapters (PEFT format) beside the base model")
     max_loras: int = _flag(1, "with --enable-lora: most adapters in one step (adapter slots)")
     max_lora_rank: int = _flag(16, "with --enable-lora: the largest adapter rank accepted")
+    kernel_build_timeout: float = _flag(
+        300.0,
+        "seconds a start may spend building the C++ CPU kernels, all together, or waiting for "
+        "another process that builds them (it says so every few seconds); past them the "
+        "kernels not built run on the torch path and the start goes on",
+    )
     trust_remote_code: bool = _flag(
         False,
         "accepted for vLLM's scripts; no remote code is ever run (architectures are built in)",
@@ -196,13 +202,12 @@ class EngineConfig:
             )
         self._check_choice("scheduling_policy", SCHEDULING_POLICIES)
         self._check_choice("role", ROLES)
-        if self.kv_cache_dtype != "auto" and self.role != "both":
-            raise ValueError(
-                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported with role "
-                f"{self.role!r} yet (prefill/decode instances exchange float KV); use auto"
-            )
         if not (isinstance(self.kv_port, int) and 0 <= self.kv_port <= 65535):
             raise ValueError(f"kv_port must be an integer in [0, 65535], got {self.kv_port!r}")
+        if not self.kernel_build_timeout > 0:
+            raise ValueError(
+                f"kernel_build_timeout must be > 0 (seconds), got {self.kernel_build_timeout!r}"
+            )
         if not self.kv_transfer_timeout > 0:
             raise ValueError(
                 f"kv_transfer_timeout must be > 0 (seconds), got {self.kv_transfer_timeout!r}"

@@ -1,11 +1,22 @@
 """Export and import the KV of a token range, layout-neutral: per layer, K and V as
 [tokens, kv_heads, head_dim], whatever the pool's block size or dtype. What prefill/decode
 disaggregation moves between instances (the heterogeneous case: a sender and a receiver that
-differ in block size or dtype interoperate, since both address KV by token position)."""
+differ in block size or dtype interoperate, since both address KV by token position).
+
+An 8-bit cache (kv_quant.py: int8 or e4m3, a float32 scale per token and KV head, in
+`kv_scales` [layers, 2, blocks, block_size, kv_heads]) exports its layers as stored, with
+their scales; an import into a cache of the same 8-bit dtype copies both, bit for bit, into
+another dtype dequantizes (and quantizes, into the other 8-bit one) as the cache's own
+write would: a float32 prefill instance feeding an int8 decode instance stores what an int8
+instance computing the prompt itself would."""
 
 from __future__ import annotations
 
 import torch
+
+from tandem.model.kv_quant import dequantize_kv, quantize_kv
+
+EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)
 
 
 def slots_of(block_ids: list[int], block_size: int, start: int, end: int) -> torch.Tensor:
@@ -15,52 +26,86 @@ def slots_of(block_ids: list[int], block_size: int, start: int, end: int) -> tor
     return blocks * block_size + pos % block_size  # [tokens]
 
 
-def export_kv(kv_cache: torch.Tensor, block_ids: list[int], start: int, end: int) -> torch.Tensor:
-    """kv_cache: [layers, 2, blocks, block_size, kv_heads, head_dim] ->
-    [layers, 2, tokens, kv_heads, head_dim], a copy on the CPU."""
-    layers, _, blocks, bs, kvh, d = kv_cache.shape
-    slots = slots_of(block_ids, bs, start, end).to(kv_cache.device)
-    flat = kv_cache.view(layers, 2, blocks * bs, kvh, d)
-    return flat.index_select(2, slots).cpu()
-
-
 def export_layer(
-    kv_cache: torch.Tensor, block_ids: list[int], layer: int, start: int, end: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one layer, each [tokens, kv_heads, head_dim], copies on the CPU."""
+    kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, block_ids: list[int], layer: int,
+    start: int, end: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """K and V of one layer, each [tokens, kv_heads, head_dim] as stored, and an 8-bit
+    cache's scales [2, tokens, kv_heads] (else None); copies on the CPU."""
     _, _, blocks, bs, kvh, d = kv_cache.shape
     slots = slots_of(block_ids, bs, start, end).to(kv_cache.device)
-    flat = kv_cache[layer].view(2, blocks * bs, kvh, d)
-    kv = flat.index_select(1, slots).cpu()
-    return kv[0], kv[1]
+    kv = kv_cache[layer].view(2, blocks * bs, kvh, d).index_select(1, slots).cpu()
+    scales = None
+    if kv_scales is not None:
+        scales = kv_scales[layer].view(2, blocks * bs, kvh).index_select(1, slots).cpu()
+    return kv[0], kv[1], scales
 
 
 def import_layer(
-    kv_cache: torch.Tensor, block_ids: list[int], layer: int, start: int, k, v
-) -> None:
-    """Write one layer's K and V ([tokens, kv_heads, head_dim], any float dtype) into
-    positions [start, start + tokens), cast to the cache's dtype."""
+    kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, block_ids: list[int], layer: int,
+    start: int, k, v, scales: torch.Tensor | None = None,
+) -> None:  # fmt: skip
+    """Write one layer's K and V ([tokens, kv_heads, head_dim], any float dtype, or 8-bit
+    with `scales` [2, tokens, kv_heads]) into positions [start, start + tokens)."""
     layers, _, blocks, bs, kvh, d = kv_cache.shape
     if not 0 <= layer < layers or k.shape != v.shape or tuple(k.shape[1:]) != (kvh, d):
         raise ValueError(
             f"kv: layer {layer} of shape {tuple(k.shape)} does not fit a cache of {layers} "
             f"layers, {kvh} KV heads of {d}"
         )
+    if (k.dtype in EIGHT_BIT) != (scales is not None):
+        raise ValueError(f"kv: {k.dtype} K and V {'without' if scales is None else 'with'} scales")
+    if scales is not None and tuple(scales.shape) != (2, k.shape[0], kvh):
+        raise ValueError(f"kv: scales of shape {tuple(scales.shape)} for K of {tuple(k.shape)}")
     slots = slots_of(block_ids, bs, start, start + k.shape[0]).to(kv_cache.device)
     flat = kv_cache[layer].view(2, blocks * bs, kvh, d)
-    flat[0].index_copy_(0, slots, k.to(device=kv_cache.device, dtype=kv_cache.dtype))
-    flat[1].index_copy_(0, slots, v.to(device=kv_cache.device, dtype=kv_cache.dtype))
+    for i, x in enumerate((k, v)):
+        x, scale = _as_stored(x, None if scales is None else scales[i], kv_cache.dtype)
+        dst, x = flat[i], x.to(kv_cache.device)
+        if x.dtype in EIGHT_BIT:  # (no index_copy_ for e4m3: copy the bytes)
+            dst, x = dst.view(torch.uint8), x.view(torch.uint8)
+        dst.index_copy_(0, slots, x)
+        if kv_scales is not None:
+            kv_scales[layer, i].view(blocks * bs, kvh).index_copy_(0, slots, scale.to(kv_scales.device))  # fmt: skip
 
 
-def import_kv(kv_cache: torch.Tensor, block_ids: list[int], start: int, kv: torch.Tensor) -> None:
+def _as_stored(x: torch.Tensor, scale: torch.Tensor | None, storage: torch.dtype):
+    """(x as a cache of `storage` holds it, its scales or None)."""
+    if scale is not None and x.dtype == storage:
+        return x, scale.float()  # the same 8-bit dtype: the bytes themselves
+    if scale is not None:
+        x = dequantize_kv(x, scale, torch.float32)
+    if storage in EIGHT_BIT:
+        return quantize_kv(x, storage)
+    return x.to(storage), None
+
+
+def export_kv(
+    kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, block_ids: list[int], start: int,
+    end: int, dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """[layers, 2, tokens, kv_heads, head_dim] of positions [start, end), a copy on the CPU;
+    an 8-bit cache's dequantized to `dtype`."""
+    layers = []
+    for i in range(kv_cache.shape[0]):
+        k, v, scales = export_layer(kv_cache, kv_scales, block_ids, i, start, end)
+        if scales is not None:
+            k, v = dequantize_kv(k, scales[0], dtype), dequantize_kv(v, scales[1], dtype)
+        layers.append(torch.stack([k, v]))
+    return torch.stack(layers)
+
+
+def import_kv(
+    kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, block_ids: list[int], start: int,
+    kv: torch.Tensor,
+) -> None:  # fmt: skip
     """Write kv ([layers, 2, tokens, kv_heads, head_dim], any float dtype) into positions
-    [start, start + tokens) of the request holding `block_ids`, cast to the cache's dtype."""
-    layers, _, blocks, bs, kvh, d = kv_cache.shape
+    [start, start + tokens) of the request holding `block_ids`."""
+    layers, _, _, _, kvh, d = kv_cache.shape
     if kv.shape[0] != layers or kv.shape[3:] != (kvh, d):
         raise ValueError(
             f"kv: shape {tuple(kv.shape)} does not fit a cache of {layers} layers, "
             f"{kvh} KV heads of {d}"
         )
-    slots = slots_of(block_ids, bs, start, start + kv.shape[2]).to(kv_cache.device)
-    flat = kv_cache.view(layers, 2, blocks * bs, kvh, d)
-    flat.index_copy_(2, slots, kv.to(device=kv_cache.device, dtype=kv_cache.dtype))
+    for i in range(layers):
+        import_layer(kv_cache, kv_scales, block_ids, i, start, kv[i, 0], kv[i, 1])

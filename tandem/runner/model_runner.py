@@ -61,6 +61,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
     ) -> None:
         self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
+        self.dtype = dtype
         if packing_available(dtype, device):
             pack_linears(model)
         # Norms, RoPE, SiLU and the KV write as one C++ call each (kernels/fused.cpp): most
@@ -153,19 +154,21 @@ class ModelRunner:
 
     # ---- KV of a token range, layout-neutral (prefill/decode disaggregation) ---------------
     def export_kv(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
-        """[layers, 2, tokens, kv_heads, head_dim] of positions [start, end), on the CPU."""
-        return export_kv(self.kv_cache, block_ids, start, end)
+        """[layers, 2, tokens, kv_heads, head_dim] of positions [start, end), on the CPU, in
+        the model's dtype (an 8-bit cache's dequantized)."""
+        return export_kv(self.kv_cache, self.kv_scales, block_ids, start, end, self.dtype)
 
     def import_kv(self, block_ids: list[int], start: int, kv: torch.Tensor) -> None:
         """Write KV from another instance (any block size, any float dtype) from `start`."""
-        import_kv(self.kv_cache, block_ids, start, kv)
+        import_kv(self.kv_cache, self.kv_scales, block_ids, start, kv)
 
     def export_layer(self, block_ids: list[int], layer: int, start: int, end: int):
-        """(K, V) of one layer, each [tokens, kv_heads, head_dim], on the CPU."""
-        return export_layer(self.kv_cache, block_ids, layer, start, end)
+        """(K, V, scales) of one layer, K and V [tokens, kv_heads, head_dim] as the cache
+        stores them, on the CPU; an 8-bit cache's scales [2, tokens, kv_heads], else None."""
+        return export_layer(self.kv_cache, self.kv_scales, block_ids, layer, start, end)
 
-    def import_layer(self, block_ids: list[int], layer: int, start: int, k, v) -> None:
-        import_layer(self.kv_cache, block_ids, layer, start, k, v)
+    def import_layer(self, block_ids: list[int], layer: int, start: int, k, v, scales=None):
+        import_layer(self.kv_cache, self.kv_scales, block_ids, layer, start, k, v, scales)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:

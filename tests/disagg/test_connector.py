@@ -73,3 +73,26 @@ def test_an_empty_range_travels_too(pair):
     sender.send(receiver.address, "none", 12, empty)
     got = _collect(receiver, 1)
     assert got["none"][0] == 12 and got["none"][1].shape == (2, 2, 0, 2, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_8_bit_layers_arrive_as_stored_with_their_scales(pair, dtype):
+    """An 8-bit cache's layers cross as their bytes plus a float32 scale per token and KV
+    head: a quarter of float32's bytes and the scales, bit for bit."""
+    sender, receiver = pair
+    from tandem.model.kv_quant import quantize_kv
+
+    x = _kv(3, layers=1, tokens=6, heads=2, dim=8)[0]  # [2, T, H, D]
+    (k, ks), (v, vs) = quantize_kv(x[0], dtype), quantize_kv(x[1], dtype)
+    sent = sender.send_layer(receiver.address, "q", 0, 1, 4, k, v, torch.stack([ks, vs]))
+    got = []
+    deadline = time.monotonic() + 10
+    while not got and time.monotonic() < deadline:
+        receiver.poll(lambda *a: got.append([t.clone() if t is not None else t for t in a[3:]]), 100)  # fmt: skip
+    ((gk, gv, gs),) = got
+    assert gk.dtype == dtype and torch.equal(gk.view(torch.uint8), k.view(torch.uint8))
+    assert torch.equal(gv.view(torch.uint8), v.view(torch.uint8))
+    assert torch.equal(gs, torch.stack([ks, vs]))
+    assert sent == receiver.bytes_received == 2 * k.numel() + 4 * 2 * 6 * 2
+    with pytest.raises(ValueError, match="travel with scales"):
+        sender.send_layer(receiver.address, "q", 0, 1, 4, k, v)  # 8-bit without its scales

@@ -17,24 +17,23 @@ from tandem.engine.messages import EngineCoreRequest
 MAX_TOKENS = 12
 
 
-def _engine(path, dtype="float32", block_size=4):
-    return LLM(str(path), dtype=dtype, block_size=block_size, kv_cache_memory=0.01)
+def LLM_CONFIG(path):  # noqa: N802
+    from tandem.core.model_config import ModelConfig
+
+    return ModelConfig.from_folder(path)
 
 
-def _over_the_wire(rid: str, start: int, kv: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """kv [layers, 2, tokens, heads, dim] -> frames per layer -> the same tensor, and bytes."""
-    layers, nbytes = [], 0
-    for i in range(kv.shape[0]):
-        frames = encode_layer(rid, i, kv.shape[0], start, kv[i, 0], kv[i, 1])
-        nbytes += sum(memoryview(f).nbytes for f in frames[1:])
-        header, k, v = decode_layer([bytes(f) for f in frames])
-        assert (header.request_id, header.layer, header.start) == (rid, i, start)
-        layers.append(torch.stack([k, v]))
-    return torch.stack(layers), nbytes
+def _engine(path, dtype="float32", block_size=4, kv_cache_dtype="auto"):
+    return LLM(str(path), dtype=dtype, block_size=block_size, kv_cache_memory=0.01,
+               kv_cache_dtype=kv_cache_dtype)  # fmt: skip
 
 
-def handoff(prefill: LLM, decode: LLM, rid: str, prompt: list[int]) -> tuple[list[int], int]:
-    """Greedy tokens the decode engine produces for `prompt`, and the KV bytes it received."""
+def handoff(
+    prefill: LLM, decode: LLM, rid: str, prompt: list[int], inspect=None
+) -> tuple[list[int], int]:
+    """Greedy tokens the decode engine produces for `prompt`, and the KV bytes it received:
+    each layer exported as the prefill cache stores it, through the wire format's frames,
+    into the decode cache (as a prefill instance streams it)."""
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     request = EngineCoreRequest(rid, prompt, params, arrival_time=0.0)
     held = decode.engine.reserve(copy.deepcopy(request))  # 1. reserve
@@ -45,9 +44,18 @@ def handoff(prefill: LLM, decode: LLM, rid: str, prompt: list[int]) -> tuple[lis
         first = next(
             (o.new_token_ids[0] for o in prefill.engine.step() if o.request_id == rid), None
         )
-    kv, nbytes = _over_the_wire(rid, held, prefill.engine.export_kv(rid, held, len(prompt)))
+    blocks, nbytes = prefill.engine.scheduler.requests[rid].block_ids, 0
+    layers = prefill.model_config.num_layers
+    for i in range(layers):
+        k, v, scales = prefill.engine.runner.export_layer(blocks, i, held, len(prompt))
+        frames = encode_layer(rid, i, layers, held, k, v, scales)
+        nbytes += sum(memoryview(f).nbytes for f in frames[1:])
+        header, k, v, scales = decode_layer([bytes(f) for f in frames])
+        assert (header.request_id, header.layer, header.start) == (rid, i, held)
+        decode.engine.receive_layer(rid, i, held, k, v, scales)
+    if inspect is not None:  # (sender's blocks, receiver's blocks, first position sent)
+        inspect(blocks, decode.engine.scheduler.reserved[rid].block_ids, held)
     prefill.engine.abort_requests([rid])
-    decode.engine.receive_kv(rid, held, kv)
     tokens = [t for o in decode.engine.commit(rid, first) for t in o.new_token_ids]  # 3. admit
     while decode.engine.has_unfinished():
         tokens += [t for o in decode.engine.step() if o.request_id == rid for t in o.new_token_ids]
@@ -98,22 +106,50 @@ def test_the_wire_refuses_a_frame_of_the_wrong_size():
         decode_layer([frames[0], frames[1], b"short"])
 
 
-def test_each_layer_is_announced_once_its_kv_is_written(llama_path):
-    """The per-layer hook a prefill instance sends with: when layer i is announced, its KV
-    for this step is in the cache and layer i + 1's is not yet."""
-    llm = _engine(llama_path)
-    runner, seen = llm.engine.runner, []
-    prompt = [(3 * i + 1) % 300 + 5 for i in range(9)]
-    request = EngineCoreRequest("p", prompt, SamplingParams(max_tokens=2), arrival_time=0.0)
-    llm.engine.add_request(request)
-    blocks = lambda: llm.engine.scheduler.requests["p"].block_ids  # noqa: E731
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_an_8_bit_pair_equals_an_8_bit_colocated_engine_and_sends_its_bytes(llama_path, kv):
+    """Both caches 8-bit: the stored bytes and scales travel as they are (a quarter of
+    float32's bytes, plus a float32 scale per token and KV head) and the decode side holds
+    exactly what a colocated engine with that cache computes."""
+    prompt = [(13 * i + 4) % 300 + 5 for i in range(37)]
+    tokens, nbytes = handoff(_engine(llama_path, kv_cache_dtype=kv),
+                             _engine(llama_path, kv_cache_dtype=kv), "q", prompt)  # fmt: skip
+    assert tokens == colocated(_engine(llama_path, kv_cache_dtype=kv), prompt)
+    _, float_bytes = handoff(_engine(llama_path), _engine(llama_path), "f", prompt)
+    cfg = LLM_CONFIG(llama_path)
+    values = 2 * cfg.num_layers * len(prompt) * cfg.num_kv_heads * cfg.head_dim
+    assert float_bytes == 4 * values
+    assert nbytes == values + 4 * values // cfg.head_dim  # a byte a value, 4 a scale
 
-    def on_layer(i):
-        kv = runner.export_kv(blocks(), 0, len(prompt))  # [layers, 2, tokens, heads, dim]
-        seen.append((i, bool(kv[i].abs().sum() > 0), bool(kv[i + 1 :].abs().sum() > 0)))
 
-    runner.on_layer_written = on_layer
-    llm.engine.step()
-    runner.on_layer_written = None
-    layers = llm.model_config.num_layers
-    assert seen == [(i, True, False) for i in range(layers)]
+@pytest.mark.parametrize("prefill_kv, decode_kv", [("auto", "int8"), ("int8", "auto"),
+                                                   ("int8", "fp8")])  # fmt: skip
+def test_a_pair_of_other_kv_dtypes_stores_what_the_decode_side_computes(
+    llama_path, prefill_kv, decode_kv
+):
+    """A float32 prefill instance feeding an int8 decode instance: the decode side quantizes
+    on import as its own write does, so it decodes exactly as an int8 colocated engine. An
+    8-bit sender's values arrive exactly: a float decode cache holds them dequantized, to the
+    bit, and another 8-bit one requantizes them (its own rounding only)."""
+    from tandem.model.kv_quant import dequantize_kv, quantize_kv, storage_dtype
+
+    prompt = [(17 * i + 6) % 300 + 5 for i in range(29)]
+    prefill, decode = (_engine(llama_path, kv_cache_dtype=prefill_kv),
+                       _engine(llama_path, kv_cache_dtype=decode_kv))  # fmt: skip
+    checked = []
+
+    def inspect(sent_blocks, held_blocks, start):
+        end = len(prompt)
+        sent = prefill.engine.runner.export_kv(sent_blocks, start, end)  # [L, 2, T, H, D]
+        held = decode.engine.runner.export_kv(held_blocks, start, end)
+        if decode_kv == "auto":
+            want = sent
+        else:  # quantize_kv of what was sent, as the decode cache's own write stores it
+            q, scale = quantize_kv(sent.flatten(0, 2), storage_dtype(decode_kv, torch.float32))
+            want = dequantize_kv(q, scale, torch.float32).view(sent.shape)
+        checked.append(torch.equal(held, want))
+
+    tokens, _ = handoff(prefill, decode, "x", prompt, inspect)
+    assert checked == [True]
+    if prefill_kv == "auto":
+        assert tokens == colocated(_engine(llama_path, kv_cache_dtype=decode_kv), prompt)
