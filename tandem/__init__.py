@@ -1,6 +1,10 @@
 """tandem: LLM inference serving in Python."""
 
-from tandem.core.sampling_params import SamplingParams
+from tandem import cpu_isa
+
+cpu_isa.apply_to_torch()  # TANDEM_CPU_ISA caps torch's kernels too, before torch loads
+
+from tandem.core.sampling_params import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [

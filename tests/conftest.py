@@ -200,3 +200,15 @@ def _isolated_cache(tmp_path_factory):
     if "TANDEM_CACHE_DIR" not in os.environ:
         os.environ["TANDEM_CACHE_DIR"] = str(tmp_path_factory.mktemp("tandem-cache"))
     yield
+
+
+def pytest_report_header(config):
+    """Which CPU instruction-set levels this machine runs and which one the run is at (the
+    kernel paths a test can take follow from it; tests/model/test_cpu_isa.py runs the rest)."""
+    from tandem import cpu_isa
+
+    try:
+        level = cpu_isa.selected()
+    except ValueError as e:
+        level = f"invalid ({e})"
+    return f"cpu isa: this CPU runs {', '.join(cpu_isa.cpu_levels())}; this run: {level}"

@@ -466,9 +466,20 @@ class AsyncLLM:
             self.on_dead(reason)
 
 
-async def _wait_ready(proc: subprocess.Popen, outbox) -> CoreReady:
+async def _wait_ready(proc: subprocess.Popen, outbox, report_every: float = 30.0) -> CoreReady:
+    """The core's CoreReady; while it loads the model (and builds kernels, bounded by
+    --kernel-build-timeout), a line every `report_every` seconds says what the start waits for."""
     decoder = msgspec.msgpack.Decoder(CoreMessage)
+    start = time.monotonic()
+    next_report = start + report_every
     while True:
+        if time.monotonic() >= next_report:
+            log.info(
+                "waiting for the engine core process (pid %d) to load the model: %.0f s so far",
+                proc.pid,
+                time.monotonic() - start,
+            )
+            next_report += report_every
         if await outbox.poll(200):
             msg = decoder.decode(await outbox.recv())
             if isinstance(msg, CoreFailed):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tandem import cpu_isa
 from tandem.model.kv_quant import dequantize_kv, quantize_kv
 
 
@@ -191,7 +192,7 @@ def amx_sdpa() -> bool:
     queries (an AMX Xeon, `python benchmarks/attention_backends.py --dtype bfloat16`).
     Single-token rows keep the C++ decode kernel."""
     is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return is_amx is not None and is_amx()
+    return is_amx is not None and is_amx() and cpu_isa.at_least("amx")
 
 
 def sdpa_attention(q, k, v, mask, scale):

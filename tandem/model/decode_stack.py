@@ -101,7 +101,7 @@ def _max_rows(p: Int4Linear) -> int:
 def _terms(p: Int4Linear):
     bias = None if p.bias is None else p.bias.detach()
     return (
-        [t.packed for t in p.terms],
+        p.mm_packed,  # what torch's int4 matmul reads (the terms' own where int4_gemm runs)
         [t.scales_zeros for t in p.terms],
         p.terms[0].group,
         p.out_features,

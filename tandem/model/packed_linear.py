@@ -15,6 +15,8 @@ import logging
 import torch
 from torch import nn
 
+from tandem import cpu_isa
+
 log = logging.getLogger("tandem")
 
 
@@ -28,7 +30,9 @@ def packing_available(dtype: torch.dtype, device: torch.device) -> bool:
     ):
         return False
     return dtype == torch.float32 or (
-        dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        dtype == torch.bfloat16
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        and cpu_isa.at_least("avx512_bf16")  # (oneDNN's own check reads the CPU, not the cap)
     )
 
 

@@ -1,7 +1,7 @@
 """Weight-only quantized linear layers: a step reads 4 or 8 bits a weight instead of 16 or 32.
 
 - int4, group-wise: w = (q - 8) * scale + zero over each `group` input columns, q in [0, 16),
-  stored in torch's CPU layout (`_convert_weight_to_int4pack_for_cpu`). GGUF's Q4_0 and Q4_1
+  stored in torch's AVX-512 CPU layout (pack_cpu_q), whatever the CPU. GGUF's Q4_0 and Q4_1
   blocks are exactly this (Q4_1: w = d*q + m = d*(q - 8) + (m + 8d)), and Q8_0 (w = d*q, q a
   signed byte) is two such terms, q = 16*hi + lo: (hi + 8, scale 16d, zero 0) + (lo, scale d,
   zero 8d); so a GGUF's weights are repacked, never requantized (see gguf_quant.py).
@@ -29,6 +29,7 @@ float32 model's activations are rounded to bf16 around each quantized matmul.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ DENSE_ROW_BUCKET = 16
 
 @dataclass(frozen=True)
 class Int4Term:
-    packed: torch.Tensor  # uint8 [rows, K / 2], rows padded to 64 (torch's CPU layout)
+    packed: torch.Tensor  # uint8 [rows, K / 2], rows padded to 64 (pack_cpu_q's layout)
     scales_zeros: torch.Tensor  # bfloat16 [K / group, rows, 2]
     group: int
     # CUDA (cuda_term): the integers two a byte, [rows, K / 2], even column high, which the
@@ -66,9 +67,36 @@ def int4_term(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Int4T
     group = k // scale.shape[1]
     pad = -n % 64  # the layout packs blocks of 64 rows; padded rows are zero and never read
     q, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in (q.to(torch.int32), scale, zero))
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
     sz = torch.stack([scale.float(), zero.float()], -1).transpose(0, 1)
-    return Int4Term(packed, sz.to(torch.bfloat16).contiguous(), group)
+    return Int4Term(pack_cpu_q(q), sz.to(torch.bfloat16).contiguous(), group)
+
+
+def pack_cpu_q(q: torch.Tensor) -> torch.Tensor:
+    """q [rows (a multiple of 64), K] in [0, 16) -> the CPU layout, uint8 [rows, K / 2]: each
+    block of 64 rows is K x 32 bytes, row j of the block in the low nibbles and row 32 + j in
+    the high ones. It is what `_convert_weight_to_int4pack_for_cpu` makes where torch runs
+    AVX-512 kernels; elsewhere torch packs otherwise (32-row blocks on AVX2, adjacent row
+    pairs without vectors), so tandem packs it itself and every CPU reads the same bytes."""
+    rows, k = q.shape
+    blocks = q.to(torch.uint8).view(rows // 64, 2, 32, k)  # [block, half, j, K]
+    packed = blocks[:, 0] | (blocks[:, 1] << 4)  # [block, 32, K]
+    return packed.transpose(1, 2).contiguous().view(rows, k // 2)
+
+
+@functools.cache
+def torch_reads_cpu_layout() -> bool:
+    """Whether torch's CPU int4 matmul (`_weight_int4pack_mm_for_cpu`) reads pack_cpu_q's
+    layout here (its AVX-512 kernels); elsewhere a layer keeps a copy in torch's own."""
+    q = torch.randint(0, 16, (64, 64), generator=torch.Generator().manual_seed(0))
+    ours = pack_cpu_q(q)
+    return torch.equal(ours, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1))
+
+
+def torch_packed(term: Int4Term, k: int) -> torch.Tensor:
+    """`term`'s weights in the layout torch's CPU int4 matmul reads here."""
+    if torch_reads_cpu_layout():
+        return term.packed
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_cpu_q(term.packed, k).int(), 1)
 
 
 def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, ...]:
@@ -257,10 +285,12 @@ class Int4Linear(QuantizedLinear):
         super().__init__(in_features, out_features, bias, terms[0].packed.is_cuda)
         self.terms, self.fmt = terms, fmt
         self.padded_rows = terms[0].scales_zeros.shape[1]
+        # the packed bytes torch's int4 matmul reads: the terms' own, but below AVX-512 a copy
+        self.mm_packed = [torch_packed(t, in_features) for t in terms] if not self.on_cuda else []
         # Where the CPU has AMX or AVX512-BF16, dense steps of up to GEMM_MAX_ROWS rows
         # dequantize and multiply a block at a time in one C++ call (dequant.cpp's int4_gemm).
-        if self.can_dense and not self.on_cuda:
-            self.gemm = kernels.dequant().gemm_path()
+        if self.can_dense and not self.on_cuda and torch_reads_cpu_layout():
+            self.gemm = kernels.dequant().gemm_path()  # (whose CPUs run torch at AVX-512)
 
     @property
     def kernel_max_rows(self) -> int:
@@ -303,10 +333,10 @@ class Int4Linear(QuantizedLinear):
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-        first, *rest = self.terms
-        y = mm(x, first.packed, first.group, first.scales_zeros)
-        for t in rest:  # GGUF's Q8_0: a second term
-            y.add_(mm(x, t.packed, t.group, t.scales_zeros))
+        (first, *rest), (p0, *ps) = self.terms, self.mm_packed
+        y = mm(x, p0, first.group, first.scales_zeros)
+        for t, p in zip(rest, ps):  # GGUF's Q8_0: a second term
+            y.add_(mm(x, p, t.group, t.scales_zeros))
         return y
 
     def dequant_t(self, n0: int, n1: int) -> torch.Tensor:

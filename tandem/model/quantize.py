@@ -122,7 +122,8 @@ def _from_gguf(model, path: Path | None) -> str:
 def _gguf_layers(cfg, path: Path) -> dict[str, tuple]:
     """Module name -> Int4Linear arguments for every layer the file's blocks can make,
     cached beside the GGUF's converted folder: reading a GGUF's metadata alone takes seconds
-    (its vocabulary), and the packed layout is torch's, so the cache is per torch version."""
+    (its vocabulary). The packed layout is tandem's own (quant.pack_cpu_q), the same on every
+    CPU; "pack1" names it (a cache from before, in torch's layout of the CPU, is not read)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -131,7 +132,7 @@ def _gguf_layers(cfg, path: Path) -> dict[str, tuple]:
     # a subfolder: the float loader reads every *.safetensors at the top; named for the
     # block types read, so a tandem that reads more of them builds it anew
     types = zlib.crc32(" ".join(sorted(BLOCK_BYTES)).encode())
-    cache = gguf_as_hf_folder(path) / "int4" / f"torch-{torch.__version__}-{types:08x}.safetensors"
+    cache = gguf_as_hf_folder(path) / "int4" / f"pack1-{types:08x}.safetensors"
     if not cache.exists():
         cache.parent.mkdir(exist_ok=True)
         specs = _read_gguf_layers(cfg, path)

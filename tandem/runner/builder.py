@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from tandem import cpu_isa
 from tandem.core.capacity import (
     GiB,
     kv_bytes_per_block,
@@ -19,6 +20,7 @@ from tandem.core.capacity import (
 from tandem.core.cost_model import KernelRows
 from tandem.core.model_config import ModelConfig
 from tandem.engine.config import DEFAULT_KV_CACHE_GIB, kv_cache_setting, step_token_budget
+from tandem.model import kernels
 from tandem.model.kv_quant import SCALE_BYTES, storage_dtype
 from tandem.model.loader import gguf_file, load_model, resolve_model
 from tandem.model.quant import Int4Linear, QuantizedLinear
@@ -52,7 +54,11 @@ class LoadedRunner:
 
 def build_model_runner(config) -> LoadedRunner:
     """config: an engine.config.EngineConfig (read here, never written)."""
+    cpu_isa.selected()  # a wrong TANDEM_CPU_ISA fails the start, saying why
+    kernels.configure(build_timeout=config.kernel_build_timeout)
     device = resolve_device(config.device)
+    if device.type == "cpu":
+        kernels.prebuild()
     dtype = resolve_dtype(config.dtype, device)
     gguf = gguf_file(config.model)
     method = quantization_method(config.quantization, gguf)
@@ -161,11 +167,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def _cpu_has_native_bf16() -> bool:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return cpu_isa.at_least("avx512_bf16")
 
 
 def resolve_device(name: str) -> torch.device:

@@ -12,18 +12,17 @@ import functools
 import pytest
 import torch
 
-from tandem import LLM, SamplingParams
+from tandem import LLM, SamplingParams, cpu_isa
 from tandem.model import kernels
 from tandem.model.attention import amx_sdpa, causal_sdpa, grouped_attention, sdpa_attention
-from tandem.model.kernels import build
 from tandem.model.kv_quant import dequantize_kv, quantize_kv
 from tests.model.conftest import _built
 
 
 @pytest.fixture(scope="module")
 def prefill():
-    if "avx512_bf16" not in build._cpu_flags().split():
-        pytest.skip("the kernel needs a CPU with AVX512-BF16")
+    if not cpu_isa.at_least("avx512_bf16"):
+        pytest.skip(f"the kernel needs AVX512-BF16 (the level here: {cpu_isa.selected()})")
     return _built(kernels.prefill_attention)
 
 

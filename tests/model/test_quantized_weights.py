@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from tandem import LLM, SamplingParams
+from tandem import LLM, SamplingParams, cpu_isa
 from tandem.bench.workloads import CHAT_PROMPTS
 from tandem.core.cost_model import KernelRows
 from tandem.core.model_config import default_model_path
 from tandem.engine.config import EngineConfig
 from tandem.model import kernels
 from tandem.model.gguf_quant import tensor_terms
+from tandem.model.packed_linear import packing_available
 from tandem.model.quant import (
     CudaInt4Linear,
     Int4Linear,
@@ -216,6 +217,7 @@ def test_gguf_types_without_terms_are_left_to_the_float_path():
     assert tensor_terms(q6_k) is None  # its groups of 16: torch's int4 kernel takes 32 and up
 
 
+@pytest.mark.default_model
 def test_the_default_model_runs_on_its_gguf_blocks_and_follows_the_float_path():
     """Same GGUF, float32 both: quantized greedy output equals the dequantized float path's
     for the first 32 tokens of a chat prompt (the residual difference is bf16 activations)."""
@@ -239,6 +241,7 @@ def test_the_default_model_runs_on_its_gguf_blocks_and_follows_the_float_path():
     assert outs["gguf"] == outs["none"]
 
 
+@pytest.mark.default_model
 def test_quantized_logprobs_match_a_float_model_on_the_quantized_layers_own_weights():
     """Every projection and the head of a float32 model replaced by float32 copies of the
     quantized layers' own dequantized weights: greedy tokens equal, logprobs close (the
@@ -293,25 +296,43 @@ def test_tiny_checkpoints_quantized_at_load_mostly_keep_the_float_next_token(che
 
 
 @pytest.mark.slow
+@pytest.mark.default_model
 def test_a_real_hf_checkpoint_quantized_at_load_follows_its_float_greedy_output():
-    """The default model's converted HF folder (real trained weights), float32: tokens each
-    quantized run agrees with the float run before diverging, over 8 chat prompts of 32
-    tokens (measured: int4 32/32/17/31/6/32/32/10, int8 11/20/32/7/6/25/5/14; bf16 float
-    weights alone 11/20/17/31/6/32/32/14, the same prepacked or not)."""
+    """The default model's converted HF folder (real trained weights), float32, 8 chat
+    prompts of 32 tokens: a quantized run leaves the float run's greedy tokens only where
+    the float run's top two candidates were nearly tied (its choice there was a coin toss
+    that any rounding may turn; measured where they left it, int4 after 32/32/17/31/6/32/32/10
+    tokens, int8 after 11/20/32/7/6/25/5/14; bf16 float weights alone 11/20/17/31/6/32/32/14).
+    Counting the agreed tokens instead held on one CPU level and failed on another."""
     from tandem.model.gguf import gguf_as_hf_folder
 
     folder = str(gguf_as_hf_folder(default_model_path()))
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
 
     def replies(**kw):
         llm = LLM(folder, dtype="float32", kv_cache_memory=0.1, max_model_len=512, **kw)
         msgs = [[{"role": "user", "content": c}] for c in CHATS]
-        return [o.outputs[0].token_ids for o in llm.chat(msgs, params, use_tqdm=False)]
+        return [o.outputs[0] for o in llm.chat(msgs, params, use_tqdm=False)]
 
     base = replies()
-    for method, floor in (("int4", 20), ("int8", 10)):
-        prefixes = [_common_prefix(a, b) for a, b in zip(replies(quantization=method), base)]
-        assert sum(prefixes) / len(prefixes) >= floor, f"{method}: {prefixes}"
+    for method in ("int4", "int8"):
+        for quant, ref in zip(replies(quantization=method), base):
+            n = _common_prefix(quant.token_ids, ref.token_ids)
+            if n < len(ref.token_ids):  # it left the float path only where that was a near tie
+                margin = _margin(ref.logprobs[n])
+                assert margin < NEAR_TIE[method], (method, n, margin)
+
+
+# nats between the float path's top two candidates below which a quantized path may pick
+# the other one: its logprob error per token is of this size. Measured over the 8 prompts,
+# the margins where each path left the float one: int4 0.004-0.135 (at the avx512 level;
+# 0.006-0.068 at avx512_bf16), int8 per channel (coarser: one scale a row) 0.017-0.58.
+NEAR_TIE = {"int4": 0.25, "int8": 1.0}
+
+
+def _margin(logprobs: dict) -> float:
+    top = sorted((lp.logprob for lp in logprobs.values()), reverse=True)
+    return top[0] - top[1]
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -352,9 +373,13 @@ def test_a_two_term_layer_switches_to_dense_sooner_and_computes_the_same_either_
     for rows in filter(None, (layer.kernel_max_rows, layer.kernel_max_rows + 1)):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         assert _close(layer(x), x.float() @ ref.t())
-    assert dense_rows == [layer.kernel_max_rows + 1]
+    # past its rows the dense path (none without the C++ dequantization kernel)
+    assert dense_rows == ([layer.kernel_max_rows + 1] if layer.can_dense else [])
 
 
+@pytest.mark.skipif(
+    kernels.dequant() is None, reason="no C++ dequantization kernel: the dense path is never taken"
+)
 def test_dense_matmuls_meet_only_padded_row_counts_and_give_the_rows_asked_for():
     """oneDNN builds a kernel per shape (an AMX Xeon: 10-40 ms a prompt of a new length), so
     the dense path pads its rows to a multiple of DENSE_ROW_BUCKET and returns the rows asked
@@ -554,6 +579,11 @@ def test_int8_activations_keep_the_perplexity_of_real_conversations_within_1_per
     assert abs(int8 / base - 1) < 0.01
 
 
+@pytest.mark.skipif(
+    not packing_available(torch.bfloat16, torch.device("cpu")) or kernels.dequant() is None,
+    reason=f"a bf16 copy needs native bf16 (the level here: {cpu_isa.selected()}) and the "
+    "C++ dequantization kernel",
+)
 @pytest.mark.parametrize("kind", ["int4", "Q8_0", "int8"])
 def test_a_kept_bf16_copy_holds_the_numbers_the_dequantized_slices_hold(kind):
     """keep_dense_copy: past kernel_max_rows the layer multiplies a bf16 copy prepacked at
@@ -579,12 +609,13 @@ def test_a_kept_bf16_copy_holds_the_numbers_the_dequantized_slices_hold(kind):
     assert _close(packed, x.float() @ layer.dequantize().t())
 
 
-BF16_NATIVE = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+BF16_NATIVE = packing_available(torch.bfloat16, torch.device("cpu"))
 
 
 COPY_LOGPROB_TOL = 0.25  # nats: the bf16 copy rounds each Q4_1 weight (d*q + m) to bf16
 
 
+@pytest.mark.default_model
 def test_the_bf16_copy_serves_large_steps_and_follows_the_quantized_path(checkpoints):
     """--bf16-weight-copy: every quantized layer also holds its weights in bf16 (prepacked),
     and steps past 10 rows multiply that; the default model's chat reply is the one its GGUF

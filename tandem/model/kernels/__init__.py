@@ -3,19 +3,23 @@ be (not x86, no compiler, build failure, or TANDEM_NO_CPP_KERNELS=1), and caller
 to the torch path."""
 
 from tandem.model.kernels.build import (
+    configure,
     dequant,
     fused,
     lora_bgmv,
     paged_decode_attention,
+    prebuild,
     prefill_attention,
     vec_lanes,
 )
 
 __all__ = [
+    "configure",
     "dequant",
     "fused",
     "lora_bgmv",
     "paged_decode_attention",
+    "prebuild",
     "prefill_attention",
     "vec_lanes",
 ]

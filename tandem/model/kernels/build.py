@@ -1,10 +1,10 @@
 """Compile the C++ sources with torch.utils.cpp_extension on first use.
 
-torch caches the built module in its extensions directory (TORCH_EXTENSIONS_DIR, default
-~/.cache/torch_extensions) under a name hashed from the source, the flags, the torch version
-and this CPU's feature flags, so an edit or a torch upgrade rebuilds and a cache shared across
-machines never loads code built for another instruction set. A build takes ~30 s of CPU once;
-later processes load it in well under a second.
+A built module is cached (kernel_cache.py: torch's extensions directory, TORCH_EXTENSIONS_DIR)
+under a name hashed from the source, the flags, the torch version and this CPU's feature
+flags, so an edit or a torch upgrade rebuilds and a cache shared across machines never loads
+code built for another instruction set. A build takes 20-60 s of CPU once, bounded by
+--kernel-build-timeout; later processes load it in well under a second.
 """
 
 from __future__ import annotations
@@ -15,9 +15,13 @@ import logging
 import os
 import platform
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+from tandem import cpu_isa
+from tandem.model.kernels.kernel_cache import load_or_build
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +30,7 @@ LORA_SOURCE = Path(__file__).with_name("lora_bgmv.cpp")
 DEQUANT_SOURCE = Path(__file__).with_name("dequant.cpp")
 FUSED_SOURCE = Path(__file__).with_name("fused.cpp")
 PREFILL_SOURCE = Path(__file__).with_name("prefill_attention.cpp")
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+CFLAGS = ["-O3", "-fopenmp"]  # and the level's -march (cpu_isa.compile_flags())
 
 
 def enabled() -> bool:
@@ -80,6 +84,43 @@ def prefill_attention():
     return module.prefill_attention if module is not None and module.available() else None
 
 
+def prebuild() -> None:
+    """Build (or load) every kernel now, in parallel: a first start on a 2-core machine then
+    compiles in about half the time it takes one after the other."""
+    if not enabled() or platform.machine().lower() not in ("x86_64", "amd64"):
+        return
+    loaders = (paged_decode_attention, lora_bgmv, dequant, fused, prefill_attention)
+    with ThreadPoolExecutor(max_workers=len(loaders)) as pool:
+        list(pool.map(lambda load: load(), loaders))
+
+
+def configure(build_timeout: float) -> None:
+    """Seconds this process may spend building the C++ kernels, all of them together (or
+    waiting for another process that builds them); past them the kernels not yet built run
+    on the torch path (--kernel-build-timeout)."""
+    global _build_budget
+    if not build_timeout > 0:
+        raise ValueError(f"kernel_build_timeout must be > 0 (seconds), got {build_timeout!r}")
+    _build_budget = _BuildBudget(float(build_timeout))
+
+
+class _BuildBudget:
+    """The seconds left for builds, counted from the first build that waits or compiles."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.started: float | None = None
+
+    def left(self) -> float:
+        if self.started is None:
+            self.started = time.monotonic()
+        return self.seconds - (time.monotonic() - self.started)
+
+
+DEFAULT_BUILD_TIMEOUT = 300.0
+_build_budget = _BuildBudget(DEFAULT_BUILD_TIMEOUT)
+
+
 @functools.cache
 def _load(
     source: Path = SOURCE,
@@ -93,39 +134,13 @@ def _load(
         log.info("C++ kernels are built for x86 only; using the torch attention path")
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        cflags = CFLAGS + _vec_flags()
+        cflags = CFLAGS[:1] + cpu_isa.compile_flags() + CFLAGS[1:] + _vec_flags()
         name = f"{stem}_{_build_tag(cflags, source, *includes)}"
-        if not _is_built(name):
-            log.info("compiling %s (once, ~40 s; torch caches it)", what)
-        t0 = time.perf_counter()
-        module = load(
-            name=name,
-            sources=[str(source)],
-            extra_cflags=cflags,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as e:  # no compiler, no ninja, a compile error: the torch path works
-        first_line = next(iter(str(e).splitlines()), "")
-        log.info(
-            "C++ kernels unavailable (%s: %s); using the torch path", type(e).__name__, first_line
-        )
-        log.debug("C++ kernel build failed", exc_info=True)
+        return load_or_build(name, source, cflags, ["-fopenmp"], _build_budget.left, what)
+    except Exception as e:  # an unwritable cache, a module that will not import
+        log.warning("%s unavailable (%s: %s); using the torch path", what, type(e).__name__, e)
+        log.debug("C++ kernel load failed", exc_info=True)
         return None
-    if (seconds := time.perf_counter() - t0) > 1:
-        log.info("built the C++ kernels in %.0f s (cached for later starts)", seconds)
-    return module
-
-
-def _is_built(name: str) -> bool:
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
-    except Exception:  # a private helper of torch's: if it moves, just say nothing
-        return True
 
 
 def vec_lanes() -> int:
@@ -136,15 +151,14 @@ def vec_lanes() -> int:
 
 def _vec_flags() -> list[str]:
     """at::vec at the vector width torch's own CPU kernels run here (AVX-512's 16 floats,
-    AVX2's 8, else its portable default): the fused kernels then compute at torch's width, and
-    their exp is the one torch's silu calls, so they beat torch's ops at every size instead of
-    losing from ~64 rows (a 2,048-row SiLU*mul 1.15 vs 1.36 ms, RoPE 0.67 vs 0.95 on an AMX
-    Xeon; built for AVX2 there, 1.65 and 0.70)."""
-    flags = set(_cpu_flags().split())
+    AVX2's 8, else its portable default), within the level in force (cpu_isa.py): the fused
+    kernels then compute at torch's width, and their exp is the one torch's silu calls, so
+    they beat torch's ops at every size instead of losing from ~64 rows (a 2,048-row SiLU*mul
+    1.15 vs 1.36 ms, RoPE 0.67 vs 0.95 on an AMX Xeon; built for AVX2 there, 1.65 and 0.70)."""
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability.startswith("AVX512") and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+    if capability.startswith("AVX512") and cpu_isa.at_least("avx512"):
         return ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
-    if {"avx2", "fma", "f16c"} <= flags:
+    if cpu_isa.at_least("avx2"):
         return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     return ["-DCPU_CAPABILITY=DEFAULT"]
 

@@ -888,7 +888,14 @@ void dequant_int8(at::Tensor& out, const at::Tensor& q, const at::Tensor& scales
   });
 }
 
-bool amx() { return at::native::cpublas::could_pack(at::kBFloat16); }
+// TANDEM_NO_AMX: built below the CPU's level (TANDEM_CPU_ISA=avx512_bf16 on an AMX CPU).
+bool amx() {
+#ifdef TANDEM_NO_AMX
+  return false;
+#else
+  return at::native::cpublas::could_pack(at::kBFloat16);
+#endif
+}
 
 // Which int4_gemm runs here: "amx" (tiles up to 16 rows, oneDNN's brgemm past them), "dot"
 // (AVX512-BF16's vdpbf16ps, no AMX), or "" (none: int4_gemm refuses).
