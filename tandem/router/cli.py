@@ -4,7 +4,6 @@ mode (`tandem proxy` is the same front end in PD mode): see router/app.py."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 
@@ -117,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
 def _serve(app, pool, args, what: str) -> int:
     import uvicorn
 
-    from tandem.server.cli import _listen
+    from tandem.server.cli import _listen, run_event_loop
 
     sock = _listen(args.host, args.port)
     server = uvicorn.Server(
@@ -138,7 +137,7 @@ def _serve(app, pool, args, what: str) -> int:
     logging.getLogger("tandem").info("router on %s:%d: %s", args.host, args.port, what)
     freeze_startup_heap("router")  # it relays every streamed token: no full-collection stalls
     try:
-        asyncio.run(main())
+        run_event_loop(main())
     finally:
         sock.close()
     return 0
