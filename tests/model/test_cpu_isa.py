@@ -81,11 +81,12 @@ def test_the_kernels_take_the_paths_of_the_level_in_force():
         assert kernels.prefill_attention() is None
         return
     assert kernels.vec_lanes() == (16 if at("avx512") and capability.startswith("AVX512") else 8)
-    dequant = kernels.dequant()
-    assert dequant.gemm_path() == ("amx" if at("amx") else "dot" if at("avx512_bf16") else "")
+    dequant, flags = kernels.dequant(), cpu_isa.cpu_flags()
+    dot = at("avx512_bf16") and "avx512vbmi" in flags  # int4_gemm's dot path needs VBMI too
+    assert dequant.gemm_path() == ("amx" if at("amx") else "dot" if dot else "")
     assert (kernels.prefill_attention() is not None) == at("avx512_bf16")
-    vnni = "avx512_vnni" in cpu_isa.cpu_flags()
-    assert dequant.int8_activations_here() == (level == "avx512_bf16" and vnni)
+    int8 = level == "avx512_bf16" and dot and "avx512_vnni" in flags
+    assert dequant.int8_activations_here() == int8
     from tandem.runner.builder import resolve_dtype
 
     native_bf16 = resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
