@@ -17,6 +17,8 @@ import warnings
 import msgspec
 import torch
 
+from tandem.model.kv_quant import EIGHT_BIT
+
 DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -24,7 +26,6 @@ DTYPES = {
     "int8": torch.int8,  # an 8-bit cache's, with scales
     "float8_e4m3fn": torch.float8_e4m3fn,
 }
-EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)
 _NAMES = {v: k for k, v in DTYPES.items()}
 
 

@@ -11,6 +11,7 @@ import torch
 # --kv-cache-dtype (engine.config.KV_CACHE_DTYPES, vLLM's names; fp8 is e4m3) -> storage
 _STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}  # largest representable magnitude
+EIGHT_BIT = tuple(_QMAX)  # the 8-bit storage dtypes (a scale per token and KV head)
 SCALE_BYTES = 4  # one float32 per token, KV head, and K or V
 
 

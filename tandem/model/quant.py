@@ -333,9 +333,10 @@ class Int4Linear(QuantizedLinear):
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-        (first, *rest), (p0, *ps) = self.terms, self.mm_packed
-        y = mm(x, p0, first.group, first.scales_zeros)
-        for t, p in zip(rest, ps):  # GGUF's Q8_0: a second term
+        terms = zip(self.terms, self.mm_packed)
+        (first, packed), *rest = terms
+        y = mm(x, packed, first.group, first.scales_zeros)
+        for t, p in rest:  # GGUF's Q8_0: a second term
             y.add_(mm(x, p, t.group, t.scales_zeros))
         return y
 

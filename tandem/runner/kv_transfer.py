@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.model.kv_quant import dequantize_kv, quantize_kv
-
-EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)
+from tandem.model.kv_quant import EIGHT_BIT, dequantize_kv, quantize_kv
 
 
 def slots_of(block_ids: list[int], block_size: int, start: int, end: int) -> torch.Tensor:

@@ -30,7 +30,6 @@ LORA_SOURCE = Path(__file__).with_name("lora_bgmv.cpp")
 DEQUANT_SOURCE = Path(__file__).with_name("dequant.cpp")
 FUSED_SOURCE = Path(__file__).with_name("fused.cpp")
 PREFILL_SOURCE = Path(__file__).with_name("prefill_attention.cpp")
-CFLAGS = ["-O3", "-fopenmp"]  # and the level's -march (cpu_isa.compile_flags())
 
 
 def enabled() -> bool:
@@ -134,7 +133,7 @@ def _load(
         log.info("C++ kernels are built for x86 only; using the torch attention path")
         return None
     try:
-        cflags = CFLAGS[:1] + cpu_isa.compile_flags() + CFLAGS[1:] + _vec_flags()
+        cflags = ["-O3", *cpu_isa.compile_flags(), "-fopenmp", *_vec_flags()]
         name = f"{stem}_{_build_tag(cflags, source, *includes)}"
         return load_or_build(name, source, cflags, ["-fopenmp"], _build_budget.left, what)
     except Exception as e:  # an unwritable cache, a module that will not import
