@@ -134,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
 def run_event_loop(main):
     """asyncio.run on uvloop where it is installed (uvicorn[standard] brings it): uvicorn's
     serve() runs on whatever loop it is given, and the stdlib's costs a front end that relays
-    every request ~0.3 ms more (the router: p50 overhead 1.6 -> N ms against an instant
-    worker, `python benchmarks/router.py`)."""
+    every request more (the router's p50 overhead 3.14 -> 2.70 ms with a model worker, 1.43 ->
+    1.16 against an instant one, `python benchmarks/router.py --only-overhead`)."""
     try:
         import uvloop
     except ImportError:
