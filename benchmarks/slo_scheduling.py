@@ -1,13 +1,14 @@
 """fcfs vs priority vs slo scheduling on one seeded multi-class workload, through the real
 server, from light load to past saturation.
 
-    python benchmarks/slo_scheduling.py [--num-prompts 40] [--cost-model cost.json]
+    python benchmarks/slo_scheduling.py [--num-prompts 200] [--seeds 0,1,2] [--cost-model cost.json]
 
 30% interactive requests (short prompts; TTFT and TPOT targets) and 70% batch requests (long
 prompts, loose targets), Poisson arrivals. First the saturation rate is measured (fcfs, all
-requests at once); then every policy runs the same requests at each multiple of it. Prints
-per-class SLO attainment, goodput and throughput per policy and rate, and writes
-slo-scheduling.json and slo-scheduling.png to --result-dir.
+requests at once); then every policy runs the same requests at each multiple of it, once per
+seed (each seed draws other requests and arrival times). Prints per-class SLO attainment,
+goodput and throughput per policy and rate, the mean over seeds and their range, and writes
+slo-scheduling.json (every seed's figures) and slo-scheduling.png to --result-dir.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -46,11 +48,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def bench(url: str, args, specs: list[str], rates: str, name: str) -> list[dict]:
+def bench(url: str, args, specs: list[str], rates: str, name: str, seed: int) -> list[dict]:
     out = Path(args.result_dir)
     cmd = [sys.executable, "-m", "tandem.cli", "bench", "serve", "--base-url", url,
            "--dataset-name", "multi-class", "--num-prompts", str(args.num_prompts),
-           "--request-rate", rates, "--seed", str(args.seed), "--ignore-eos", "--send-slo-class",
+           "--request-rate", rates, "--seed", str(seed), "--ignore-eos", "--send-slo-class",
            "--disable-tqdm", "--save-result", "--result-dir", str(out),
            "--result-filename", f"{name}.json"]  # fmt: skip
     for spec in specs:
@@ -64,7 +66,8 @@ def bench(url: str, args, specs: list[str], rates: str, name: str) -> list[dict]
     )
 
 
-def run_policy(policy: str, args, served: list[dict], specs: list[str], rates: str, name: str):
+def run_policy(policy: str, args, served, specs, rates: str, name: str, seeds) -> list[list]:
+    """One server for the policy; the bench once per seed: [seed][rate] points."""
     from tandem.bench.servers import tandem_server
 
     out = Path(args.result_dir)
@@ -77,7 +80,7 @@ def run_policy(policy: str, args, served: list[dict], specs: list[str], rates: s
     server = tandem_server(free_port(), args.model, extra, out / f"{name}.log")
     with server:
         server.wait_ready(600)
-        return bench(server.base_url, args, specs, rates, name)
+        return [bench(server.base_url, args, specs, rates, f"{name}-seed{s}", s) for s in seeds]
 
 
 def summarize(point: dict) -> dict:
@@ -98,9 +101,9 @@ def summarize(point: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
-    ap.add_argument("--num-prompts", type=int, default=40)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--multiples", default="0.25,0.5,1.0,1.5", help="of the saturation rate")
+    ap.add_argument("--num-prompts", type=int, default=200, help="requests per cell")
+    ap.add_argument("--seeds", default="0,1,2", help="each draws other requests and arrivals")
+    ap.add_argument("--multiples", default="0.5,1.0,1.5", help="of the saturation rate")
     ap.add_argument("--ttft-ms", type=float, default=1000)
     ap.add_argument("--tpot-ms", type=float, default=150)
     ap.add_argument("--batch-ttft-ms", type=float, default=30000)
@@ -118,44 +121,52 @@ def main() -> None:
     served, specs = classes(args)
     policies = args.policies.split(",")
 
+    seeds = [int(x) for x in args.seeds.split(",")]
     saturation = args.saturation
     if saturation is None:
-        sat = run_policy("fcfs", args, served, specs, "inf", "saturation")[0]
+        sat = run_policy("fcfs", args, served, specs, "inf", "saturation", seeds[:1])[0][0]
         saturation = sat["completed"] / sat["duration"]
         print(f"saturation: {saturation:.3f} req/s (fcfs, {sat['completed']} requests at once)")
     multiples = [float(m) for m in args.multiples.split(",")]
     rates = ",".join(f"{m * saturation:.3f}" for m in multiples)
-    results = {
-        p: [summarize(pt) for pt in run_policy(p, args, served, specs, rates, p)] for p in policies
-    }
+    per_seed = {  # policy -> seed -> rate -> summary
+        p: [[summarize(pt) for pt in points] for points in run_policy(p, args, served, specs, rates, p, seeds)]
+        for p in policies
+    }  # fmt: skip
+    results = {p: [spread([runs[i] for runs in per_seed[p]]) for i in range(len(multiples))]
+               for p in policies}  # fmt: skip
 
-    print(f"\n{'rate':>7} {'x sat':>6} | " + " | ".join(f"{p:^31}" for p in policies))
-    print(
-        f"{'':>7} {'':>6} | "
-        + " | ".join(f"{'inter':>7} {'batch':>7} {'goodput':>7} {'tok/s':>6}" for _ in policies)
-    )
-    for i, m in enumerate(multiples):
-        cells = []
-        for p in policies:
-            r = results[p][i]
-            cells.append(
-                f"{r['interactive']:>7.0%} {r['batch']:>7.0%} {r['goodput']:>7.3f} {r['throughput']:>6.1f}"
-            )
-        print(f"{results[policies[0]][i]['rate']:>7.3f} {m:>6.2f} | " + " | ".join(cells))
-    print("interactive TTFT / TPOT met, each on its own:")
-    for p in policies:
-        print(f"  {p:>8}: " + "  ".join(
-            f"{r.get('interactive_ttft', 0):.0%}/{r.get('interactive_tpot', 0):.0%}" for r in results[p]))  # fmt: skip
+    print(f"\n{len(seeds)} seeds x {args.num_prompts} requests a cell; mean (min-max over seeds)")
+    for key, fmt in (("interactive", "{:.0%}"), ("batch", "{:.0%}"), ("goodput", "{:.3f}"),
+                     ("throughput", "{:.1f}"), ("interactive_ttft", "{:.0%}"),
+                     ("interactive_tpot", "{:.0%}")):  # fmt: skip
+        print(f"{key}:")
+        for i, m in enumerate(multiples):
+            cells = []
+            for p in policies:
+                mean, lo, hi = (results[p][i][key][k] for k in ("mean", "min", "max"))
+                cells.append(f"{p} {fmt.format(mean)} ({fmt.format(lo)}-{fmt.format(hi)})")
+            print(f"  {m:>4.2f}x  " + "  ".join(f"{c:<30}" for c in cells))
     out = Path(args.result_dir)
     doc = {
         "saturation_rps": saturation,
         "multiples": multiples,
+        "seeds": seeds,
         "results": results,
+        "per_seed": per_seed,
         "args": vars(args),
     }
     (out / "slo-scheduling.json").write_text(json.dumps(doc, indent=2))
     plot(results, multiples, out / "slo-scheduling.png")
     print(f"\nsaved {out / 'slo-scheduling.json'} and {out / 'slo-scheduling.png'}")
+
+
+def spread(points: list[dict]) -> dict:
+    """Each figure's mean, min and max over seeds."""
+    keys = {k for p in points for k in p}
+    return {k: {"mean": statistics.fmean(p.get(k, 0.0) for p in points),
+                "min": min(p.get(k, 0.0) for p in points),
+                "max": max(p.get(k, 0.0) for p in points)} for k in sorted(keys)}  # fmt: skip
 
 
 def plot(results: dict, multiples: list[float], path: Path) -> None:
@@ -168,8 +179,11 @@ def plot(results: dict, multiples: list[float], path: Path) -> None:
     for ax, key, title in zip(axes, ("interactive", "batch", "goodput"),
                               ("interactive SLO attainment", "batch SLO attainment", "goodput (req/s)")):  # fmt: skip
         for p in results:
-            ax.plot(multiples, [r[key] for r in results[p]], marker="o", label=p)
-        ax.set_title(title)
+            mean = [r[key]["mean"] for r in results[p]]
+            line = ax.plot(multiples, mean, marker="o", label=p)[0]
+            ax.fill_between(multiples, [r[key]["min"] for r in results[p]],
+                            [r[key]["max"] for r in results[p]], color=line.get_color(), alpha=0.15)  # fmt: skip
+        ax.set_title(title + " (band: seeds' range)")
         ax.set_xlabel("request rate (x saturation)")
         ax.grid(alpha=0.3)
     axes[0].legend()

@@ -104,6 +104,11 @@ class BatchPolicy(Protocol):
         this step (a running asker is among them); None: the asker waits instead."""
         ...
 
+    def seat_victim(self, asker: Request, unscheduled: list[Request]) -> Request | None:
+        """Every batch seat (max_num_seqs) is taken: whom to preempt so the waiting `asker`
+        runs now; None: it waits for a seat to free."""
+        ...
+
 
 class FCFSBatch:
     """vLLM's default: running requests first, in the order they started; then waiting ones
@@ -129,6 +134,9 @@ class FCFSBatch:
         if asker not in unscheduled:  # a waiting request does not preempt
             return None
         return max(unscheduled, key=rank)
+
+    def seat_victim(self, asker: Request, unscheduled: list[Request]) -> Request | None:
+        return None
 
 
 class PriorityBatch(FCFSBatch):

@@ -300,7 +300,12 @@ class Scheduler:
 
     def _admit(self, out, req: Request, budget: StepBudget, unscheduled) -> bool:
         if len(self.running) >= self.config.max_num_seqs:
-            return False
+            # The policy may have a running request give up its seat (SLO: an at-risk
+            # prompt's, which the step then surely admits: it comes first in the order).
+            seat = self.batch.seat_victim(req, unscheduled)
+            if seat is None:
+                return False
+            self._preempt_for(out, seat, budget, unscheduled)
         prefix = self.kv.match_prefix(req)
         num_cached = len(prefix) * self.kv.block_size
         n = budget.fit(req, num_cached, req.num_tokens - num_cached)

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             args.request_timeout,
         )
         proxy = Proxy(config, client)
-        app, pool = pd_app(proxy), proxy
+        app, pool, closing = pd_app(proxy), proxy, None
         what = f"PD mode: prefill {config.prefill}, decode {config.decode}"
     else:
         from tandem.core.cost_model import CostModel
@@ -108,12 +108,13 @@ def run(args: argparse.Namespace) -> int:
                           eject_after=args.eject_after, watch_file=args.worker_file)  # fmt: skip
         config = RouterConfig(args.api_key, args.max_attempts, args.retry_deadline,
                               args.request_timeout, args.stream_timeout)  # fmt: skip
-        app = plain_app(Router(pool, config, client))
+        router = Router(pool, config, client)
+        app, closing = plain_app(router), router.aclose
         what = f"{args.policy} over {len(pool.workers)} workers"
-    return _serve(app, pool, args, what)
+    return _serve(app, pool, args, what, closing)
 
 
-def _serve(app, pool, args, what: str) -> int:
+def _serve(app, pool, args, what: str, closing=None) -> int:
     import uvicorn
 
     from tandem.server.cli import _listen, run_event_loop
@@ -133,6 +134,8 @@ def _serve(app, pool, args, what: str) -> int:
         finally:
             if pool is not None:
                 await pool.stop()
+            if closing is not None:
+                await closing()
 
     logging.getLogger("tandem").info("router on %s:%d: %s", args.host, args.port, what)
     freeze_startup_heap("router")  # it relays every streamed token: no full-collection stalls

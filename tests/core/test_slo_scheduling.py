@@ -404,6 +404,79 @@ def test_loose_decodes_sit_out_steps_so_a_tight_tpot_holds_and_theirs_still_do()
     assert worst_gap <= BATCH.tpot_ms / 1000  # every batch token still inside its own TPOT
 
 
+def _batch_decoding(h: Harness, n: int, max_tokens: int = 200) -> list:
+    reqs = [h.add(_p(4), max_tokens=max_tokens, slo=BATCH, priority=1) for _ in range(n)]
+    for _ in range(3):
+        h.step()
+    assert all(r.num_output_tokens for r in reqs)
+    return reqs
+
+
+def _gaps_until_first_token(h: Harness, reqs, chat) -> list[float]:
+    """Step until `chat` has its first token; the gaps between tokens of the `reqs`."""
+    last = {r.request_id: h.clock() for r in reqs}
+    gaps = []
+    while not (chat.num_output_tokens or chat.is_finished):
+        before = {r.request_id: r.num_output_tokens for r in reqs}
+        h.step()
+        for r in reqs:
+            if r.num_output_tokens > before[r.request_id]:
+                gaps.append(h.clock() - last[r.request_id])
+                last[r.request_id] = h.clock()
+    return gaps
+
+
+def test_lower_class_decodes_sit_out_so_an_interactive_prompt_meets_its_ttft():
+    ttfts = {}
+    for rescue in (False, True):
+        policy = SLOBatch(COST, SLOPolicyConfig(preempt_for_ttft=rescue))
+        h = _harness("slo", policy, num_blocks=4096, max_num_seqs=64)
+        batch = _batch_decoding(h, 60, max_tokens=40)  # 60 rows: 130 of a 150 ms step limit
+        chat = h.add(_p(120), max_tokens=4, slo=INTERACTIVE)  # 120 ms of prefill
+        gaps = _gaps_until_first_token(h, batch, chat)
+        assert chat.num_output_tokens == 1, chat
+        ttfts[rescue] = chat.last_token_time - chat.arrival_time
+        assert max(gaps) <= BATCH.tpot_ms / 1000  # the batch class still inside its TPOT
+        assert not h.sched.num_preemptions  # sitting out a step is enough here: no recompute
+        h.run_to_completion()
+        assert all(r.num_output_tokens == 40 for r in batch)
+        h.assert_pool_whole()
+    # beside all 60 rows its chunks get 32 tokens a step (min_prefill_tokens): 4 steps
+    assert ttfts[False] > INTERACTIVE.ttft_ms / 1000 >= ttfts[True]
+
+
+def test_an_interactive_prompt_takes_a_batch_decodes_seat_when_none_would_free_in_time():
+    outcomes = {}
+    for rescue in (False, True):
+        policy = SLOBatch(COST, SLOPolicyConfig(preempt_for_ttft=rescue))
+        h = _harness("slo", policy, max_num_seqs=4)
+        batch = _batch_decoding(h, 4)  # every seat taken, each for 197 more tokens
+        chat = h.add(_p(16), max_tokens=4, slo=INTERACTIVE)
+        for _ in range(40):
+            h.step()
+            if chat.num_output_tokens or chat.is_finished:
+                break
+        outcomes[rescue] = chat.status, chat.num_output_tokens
+        if rescue:
+            assert chat.last_token_time - chat.arrival_time <= INTERACTIVE.ttft_ms / 1000
+            victims = [r for r in batch if r.num_preemptions]
+            assert len(victims) == 1 and victims[0] is batch[-1]  # the least urgent: latest
+        h.run_to_completion()
+        assert all(r.num_output_tokens == 200 for r in batch)  # the victim recomputes, finishes
+        h.assert_pool_whole()
+    assert outcomes[False] == (RequestStatus.FINISHED_SHED, 0)  # waited for a seat, too late
+    assert outcomes[True][1] >= 1
+
+
+def test_a_decode_never_yields_to_a_prompt_of_its_own_class():
+    h = _harness("slo", max_num_seqs=4)
+    _batch_decoding(h, 4)
+    late_batch = h.add(_p(16), max_tokens=4, slo=BATCH, priority=1)
+    for _ in range(10):
+        plan, _ = h.step()
+        assert not plan.preempted_ids and late_batch.status == RequestStatus.WAITING
+
+
 def test_a_hopeless_interactive_request_is_shed_and_a_batch_one_demoted():
     h = _harness("slo", max_num_batched_tokens=64)
     for _ in range(4):
