@@ -1,6 +1,6 @@
 # Two commands on a fresh machine:  `make serve` (set up, then serve the default model)
 # and `make test` (set up, then lint and run the test suite).
-.PHONY: setup serve generate test lint bench
+.PHONY: setup serve generate test test-quick lint docs bench
 
 setup:
 	@scripts/setup.sh
@@ -12,8 +12,15 @@ generate: setup
 	.venv/bin/tandem generate $(or $(ARGS),--chat "Write a haiku about paged attention.")
 
 lint: setup
-	.venv/bin/ruff check tandem tests benchmarks
-	.venv/bin/ruff format --check tandem tests benchmarks
+	.venv/bin/ruff check tandem tests benchmarks scripts
+	.venv/bin/ruff format --check tandem tests benchmarks scripts
 
 test: lint
 	.venv/bin/python -m pytest $(ARGS)
+
+# Without the end-to-end tests marked slow: about 2 minutes on 2 cores.
+test-quick: lint
+	.venv/bin/python -m pytest -m "not slow" $(ARGS)
+
+docs: setup
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict

@@ -6,7 +6,7 @@ cpu_isa.apply_to_torch()  # TANDEM_CPU_ISA caps torch's kernels too, before torc
 
 from tandem.core.sampling_params import SamplingParams  # noqa: E402
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = [
     "LLM",
     "SamplingParams",

@@ -20,21 +20,9 @@ SUBCOMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tandem import __version__
-
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="tandem", description="LLM inference serving")
-    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
     wanted = argv[0] if argv and argv[0] in SUBCOMMANDS else None
-    modules = {}
-    for name, path in SUBCOMMANDS.items():
-        if wanted is None or name == wanted:
-            modules[name] = importlib.import_module(path)
-            modules[name].add_parser(sub)
-        else:
-            sub.add_parser(name)
-    _show_defaults(parser)
+    parser, modules = build_parser(wanted)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the sub-command's usage, not the top level's
         _innermost(parser, argv).error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -43,6 +31,25 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict]:
+    """The whole command line, and each subcommand's module; with `only`, the other
+    subcommands are names without flags (their modules are not imported)."""
+    from tandem import __version__
+
+    parser = argparse.ArgumentParser(prog="tandem", description="LLM inference serving")
+    parser.add_argument("--version", action="version", version=f"tandem {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = {}
+    for name, path in SUBCOMMANDS.items():
+        if only is None or name == only:
+            modules[name] = importlib.import_module(path)
+            modules[name].add_parser(sub)
+        else:
+            sub.add_parser(name)
+    _show_defaults(parser)
+    return parser, modules
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -4,12 +4,13 @@
 #   benchmarks/peers/llamacpp.sh install          # own venv under ~/.cache/tandem/peers/llamacpp
 #   benchmarks/peers/llamacpp.sh serve [PORT]     # foreground; SIGINT/SIGTERM stops it
 #
-# Default: the Python server of `llama-cpp-python[server]` (compiled from source by pip,
-# a few minutes). It serves one request at a time behind a lock; `--n_threads 2
-# --interrupt_requests False` make it use both cores and finish a stream when the next
-# request arrives. TANDEM_LLAMACPP_IMPL=cpp instead builds and runs the C++ `llama-server` from
-# the llama.cpp sources vendored in that package (about 9 more minutes), which batches
-# requests continuously with --parallel (TANDEM_LLAMACPP_PARALLEL, default 16 slots).
+# Default: llama.cpp's own C++ `llama-server`, built from the llama.cpp sources vendored in
+# the `llama-cpp-python` package (pip compiles that package, a few minutes, then CMake builds
+# the server, about 9 more), batching requests continuously with --parallel
+# (TANDEM_LLAMACPP_PARALLEL, default 16 slots): llama.cpp as its users serve it.
+# TANDEM_LLAMACPP_IMPL=python runs the Python server of `llama-cpp-python[server]` instead,
+# which serves one request at a time behind a lock (`--n_threads 2 --interrupt_requests
+# False`: both cores, and a stream finishes when the next request arrives).
 # Other env: TANDEM_LLAMACPP_THREADS (2), TANDEM_LLAMACPP_CTX (2048 per slot), TANDEM_LLAMACPP_PIP_SPEC,
 # TANDEM_PEERS_DIR, TANDEM_PYTHON, TANDEM_GGUF.
 # On an AMX Xeon (a VM, 2026-12) the C++ server died at its warm-up with SIGILL in the AMX
@@ -18,7 +19,7 @@
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 VENV="$PEERS_DIR/llamacpp"
-IMPL="${TANDEM_LLAMACPP_IMPL:-python}"
+IMPL="${TANDEM_LLAMACPP_IMPL:-cpp}"
 THREADS="${TANDEM_LLAMACPP_THREADS:-2}"
 CTX="${TANDEM_LLAMACPP_CTX:-2048}"
 PARALLEL="${TANDEM_LLAMACPP_PARALLEL:-16}"

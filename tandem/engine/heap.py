@@ -20,5 +20,5 @@ def freeze_startup_heap(what: str) -> int:
     gc.collect()
     gc.freeze()
     frozen = gc.get_freeze_count()
-    log.info("%s: %d objects built at startup frozen out of the garbage collector", what, frozen)
+    log.debug("%s: %d objects built at startup frozen out of the garbage collector", what, frozen)
     return frozen

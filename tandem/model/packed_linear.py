@@ -63,5 +63,5 @@ def pack_linears(model: nn.Module) -> int:
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear(child))
                 count += 1
-    log.info("packed %d linear layers for oneDNN", count)
+    log.debug("packed %d linear layers for oneDNN", count)
     return count

@@ -11,7 +11,8 @@ from tandem.engine.heap import freeze_startup_heap
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: this machine only; 0.0.0.0 for all)")  # fmt: skip
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--api-key",
@@ -117,9 +118,10 @@ def run(args: argparse.Namespace) -> int:
 def _serve(app, pool, args, what: str, closing=None) -> int:
     import uvicorn
 
-    from tandem.server.cli import _listen, run_event_loop
+    from tandem.server.cli import _listen, run_event_loop, warn_if_exposed
 
     sock = _listen(args.host, args.port)
+    warn_if_exposed(args.host, args.api_key, "tandem router")
     server = uvicorn.Server(
         uvicorn.Config(
             app, log_level=args.uvicorn_log_level, lifespan="off", timeout_graceful_shutdown=5

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import errno
+import ipaddress
 import logging
 import os
 import signal
@@ -35,7 +36,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--model", dest="model_flag", metavar="MODEL", default=None, help="the same, as vLLM's flag"
     )
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: this machine only; 0.0.0.0 for all)")  # fmt: skip
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--served-model-name",
@@ -125,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
         args.chat_template = load_chat_template(args.chat_template)
     sock = _listen(args.host, args.port)  # before the model loads: a taken port fails at once
+    warn_if_exposed(args.host, args.api_key, "tandem serve")
     try:
         return run_event_loop(_serve(args, config, model, sock))
     finally:
@@ -141,6 +144,28 @@ def run_event_loop(main):
     except ImportError:
         return asyncio.run(main)
     return uvloop.run(main)
+
+
+def warn_if_exposed(host: str, api_key: str | None, what: str) -> None:
+    """Say where the server listens; warn when it is reachable from other machines and
+    asks for no key."""
+    log = logging.getLogger("tandem")
+    if _is_loopback(host):
+        log.info("%s listens on %s only (this machine); --host 0.0.0.0 opens it to all", what, host)
+    elif not api_key:
+        log.warning(
+            "%s listens on %s, reachable from other machines, and requires no API key: "
+            "anyone who can reach it can use it (set --api-key or TANDEM_API_KEY)", what, host
+        )  # fmt: skip
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _listen(host: str, port: int) -> socket.socket:

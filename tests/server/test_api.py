@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from importlib import metadata
 
 import httpx
 import openai
 import pytest
+
+import tandem
 
 PROMPT = "The quick brown fox jumps over"
 MESSAGES = [{"role": "user", "content": "Paged attention stores keys"}]
@@ -277,7 +280,7 @@ def test_models_health_version(client, http, model_name):
     health = http.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     version = http.get("/version").json()
-    assert version["version"] == "0.1.0"
+    assert version["version"] == tandem.__version__ == metadata.version("tandem")
     # which process answers (a router tells a restarted worker by it): stable while it runs
     assert version["instance_id"] == health.json()["instance_id"] != ""
     assert 0 < time.time() - version["started"] < 3600

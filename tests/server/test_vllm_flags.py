@@ -90,6 +90,37 @@ def test_a_taken_port_fails_at_once_before_the_model_loads(llama_path):
     assert time.monotonic() - start < 30
 
 
+def test_serve_and_router_listen_on_this_machine_only_unless_told():
+    from tandem.cli import build_parser
+
+    parser, _ = build_parser()
+    assert parser.parse_args(["serve"]).host == "127.0.0.1"
+    assert parser.parse_args(["router", "--worker", "http://127.0.0.1:1"]).host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    "host, key, says",
+    [
+        ("127.0.0.1", None, "listens on 127.0.0.1 only (this machine)"),
+        ("localhost", None, "listens on localhost only"),
+        ("::1", None, "listens on ::1 only"),
+        ("0.0.0.0", None, "reachable from other machines, and requires no API key"),
+        ("0.0.0.0", "sk-1", None),
+    ],
+)
+def test_a_server_open_to_other_machines_without_a_key_is_warned_about(caplog, host, key, says):
+    from tandem.server.cli import warn_if_exposed
+
+    with caplog.at_level("INFO", logger="tandem"):
+        warn_if_exposed(host, key, "tandem serve")
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    if says is None:
+        assert not caplog.records  # an open server with a key: nothing to say
+    else:
+        assert says in caplog.text
+        assert bool(warned) == (host == "0.0.0.0")
+
+
 def test_a_host_this_machine_does_not_have_fails_at_once(llama_path):
     # 192.0.2.1 is TEST-NET-1: resolvable without a lookup, assigned to no interface here
     done = subprocess.run(
