@@ -42,6 +42,7 @@ from tandem.engine.messages import (
     EngineCoreRequest,
     LoRAOp,
 )
+from tandem.logs import setup_logging
 
 log = logging.getLogger("tandem")
 
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent(args.parent_pid)
     # SIGINT goes to the whole process group on Ctrl-C; the server decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s core %(levelname)s %(message)s")
+    setup_logging("core")
 
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)

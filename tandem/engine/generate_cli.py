@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from tandem import LLM, SamplingParams
     from tandem.engine.config import engine_config_from_args
+    from tandem.logs import setup_logging
+
+    setup_logging()  # a first run says it is compiling, not a silent minute
 
     prompts = list(args.prompt)
     if args.file:

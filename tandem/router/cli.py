@@ -8,6 +8,7 @@ import logging
 import os
 
 from tandem.engine.heap import freeze_startup_heap
+from tandem.logs import setup_logging
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -68,8 +69,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     import httpx
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    setup_logging("router")
     pd = bool(getattr(args, "prefill", None) or getattr(args, "decode", None))
     client = httpx.AsyncClient(
         timeout=None, limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)

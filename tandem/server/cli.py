@@ -21,6 +21,7 @@ import socket
 import uvicorn
 
 from tandem.engine.heap import freeze_startup_heap
+from tandem.logs import setup_logging
 
 log = logging.getLogger("tandem")
 DEAD_LINGER_S = 1.0  # after the engine dies, /health answers 503 this long, then we exit 1
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"max_waiting must be an integer >= 1, got {args.max_waiting}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"shutdown_timeout must be >= 0, got {args.shutdown_timeout}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    setup_logging()
     config = engine_config_from_args(args, model)
     if args.slo_classes is not None:
         from tandem.core.slo import load_slo_classes

@@ -104,7 +104,13 @@ def streamed_text(url: str, body: dict, path: str = "/v1/completions") -> str:
 
 class Server:
     def __init__(
-        self, model: Path, args: list[str], log_dir: Path, name: str, port: int | None = None
+        self,
+        model: Path,
+        args: list[str],
+        log_dir: Path,
+        name: str,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -112,7 +118,13 @@ class Server:
         cmd = [sys.executable, "-m", "tandem.cli", "serve", *([str(model)] if model else [])]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), *COMMON, *args]
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
         self._ready = False
 
     def log(self) -> str:
@@ -164,7 +176,8 @@ def _launched(request, llama_path, tmp_path_factory):
     wanted = {name for item in request.session.items for name in item.fixturenames}
     servers = {}
     if "server" in wanted:
-        servers["main"] = Server(llama_path, [], logs, "main")
+        debug = {"TANDEM_LOGGING_LEVEL": "DEBUG"}  # startup detail the lifecycle tests read
+        servers["main"] = Server(llama_path, [], logs, "main", env=debug)
     if "guarded_server" in wanted:
         servers["guarded"] = Server(
             llama_path,
