@@ -2,6 +2,7 @@
 rendered from them (README.md's, between its `figures` markers, and docs/figures.md).
 
     python scripts/figures.py record FIGURE VALUE --detail "..." --command "..." [--notes ...]
+    python scripts/figures.py from-compare FIGURE COMPARE.json --metric KEY --command "..."
     python scripts/figures.py render          # rewrite README.md's table and docs/figures.md
     python scripts/figures.py check           # exit 1 if either is out of date
 
@@ -133,6 +134,20 @@ def record(args) -> None:
     print(f"recorded {args.figure} = {args.value} for {kind} at {commit}")
 
 
+def from_compare(args) -> None:
+    """A figure from a `tandem bench compare` result: tandem / peer on one row's metric."""
+    row = json.loads(Path(args.file).read_text())["rows"][args.row]
+    cell = row.get(args.metric)
+    if cell is None or cell["ratio"] is None:
+        raise SystemExit(f"{args.file}: row {args.row} has no {args.metric} ratio")
+    others = [f"{label} {row[key]['ratio']:.2f}x" for label, key in
+              (("TTFT", "mean_ttft_ms"), ("TPOT", "mean_tpot_ms"), ("out tok/s", "output_throughput"))
+              if key != args.metric and key in row and row[key]["ratio"] is not None]  # fmt: skip
+    args.value = f"{cell['ratio']:.2f}x"
+    args.detail = f"{args.metric} {cell['tandem']:.1f} vs {cell['peer']:.1f}; " + ", ".join(others)
+    record(args)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -142,11 +157,18 @@ def main() -> int:
     r.add_argument("--detail", required=True, help="the numbers behind the value")
     r.add_argument("--command", required=True, help="the exact command that measured it")
     r.add_argument("--notes", default="", help="versions, flags, the state of the host")
+    c = sub.add_parser("from-compare")
+    c.add_argument("figure")
+    c.add_argument("file", help="a `tandem bench compare --save-result` JSON")
+    c.add_argument("--row", type=int, default=0, help="which point (scenario) of the run")
+    c.add_argument("--metric", default="output_throughput", help="e.g. mean_tpot_ms")
+    c.add_argument("--command", required=True, help="the exact command that measured it")
+    c.add_argument("--notes", default="")
     sub.add_parser("render")
     sub.add_parser("check")
     args = ap.parse_args()
-    if args.cmd == "record":
-        record(args)
+    if args.cmd in ("record", "from-compare"):
+        (record if args.cmd == "record" else from_compare)(args)
         return 0
     kinds = load()
     want = {README: rendered_readme(kinds), HISTORY: history(kinds) + "\n"}

@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "proxy": "tandem.disagg.proxy_cli",
     "router": "tandem.router.cli",
     "sim": "tandem.sim.cli",
+    "keys": "tandem.disagg.keys_cli",
 }
 
 

@@ -26,6 +26,7 @@ import msgspec
 import torch
 import zmq
 
+from tandem.disagg.curve import SenderKeys, secure_receiver
 from tandem.disagg.wire import TransferDone, decode_done, decode_layer, encode_done, encode_layer
 
 
@@ -39,8 +40,10 @@ class KVSender:
         context: zmq.Context | None = None,
         linger_ms: int = 5000,
         send_timeout_ms: int = 2000,
+        keys: SenderKeys | None = None,
     ) -> None:
         self.context = context or zmq.Context.instance()
+        self.keys = keys  # CURVE: only a peer holding the decode secret key gets the KV
         self.linger_ms, self.send_timeout_ms = linger_ms, send_timeout_ms
         self._sockets: dict[str, zmq.Socket] = {}
         self.bytes_sent = 0
@@ -95,6 +98,8 @@ class KVSender:
             # Queue only for a live connection: KV for a dead peer fails its send at once
             # instead of piling up in memory until the peer comes back.
             sock.setsockopt(zmq.IMMEDIATE, 1)
+            if self.keys is not None:
+                self.keys.apply(sock)
             sock.connect(address)
         return sock
 
@@ -113,11 +118,21 @@ class _Progress:
 
 
 class KVReceiver:
-    def __init__(self, address: str, context: zmq.Context | None = None) -> None:
-        """address: where to listen, e.g. tcp://127.0.0.1:0 (0: any free port)."""
+    def __init__(
+        self,
+        address: str,
+        context: zmq.Context | None = None,
+        secret_key: str | None = None,
+        peer_keys: str | None = None,
+    ) -> None:
+        """address: where to listen, e.g. tcp://127.0.0.1:0 (0: any free port). With
+        secret_key and peer_keys (curve.py), only those peers' frames arrive."""
         self.context = context or zmq.Context.instance()
         self.socket = self.context.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.auth = None
+        if secret_key is not None:
+            self.auth = secure_receiver(self.socket, secret_key, peer_keys)
         self.socket.bind(address)
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._progress: dict[str, _Progress] = {}
@@ -178,8 +193,15 @@ class KVReceiver:
     def num_partial(self) -> int:
         return len(self._progress)
 
+    @property
+    def num_refused(self) -> int:
+        """Senders refused for an unknown key (an authenticated link only)."""
+        return self.auth.peers.refused if self.auth is not None else 0
+
     def close(self) -> None:
         self.socket.close()
+        if self.auth is not None:
+            self.auth.stop()
 
 
 class Assembler:

@@ -48,7 +48,6 @@ _STAGE_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 class ProxyConfig:
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
-    api_key: str | None = None
     reserve_timeout: float = 10.0  # the decode side's reservation answer
     prefill_timeout: float = 60.0  # the prefill instance's whole answer (prompt + KV sent)
     stream_timeout: float = 60.0  # the longest gap between two chunks of the decode stream

@@ -81,6 +81,7 @@ def encode_layer(
 def decode_layer(frames) -> tuple[LayerHeader, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(header, K, V, scales or None), the tensors views of the frames."""
     header = _decode_header(bytes(frames[0]))
+    _check(header)
     dtype = DTYPES.get(header.dtype)
     if dtype is None:
         raise ValueError(f"kv: unknown dtype {header.dtype!r}")
@@ -91,6 +92,14 @@ def decode_layer(frames) -> tuple[LayerHeader, torch.Tensor, torch.Tensor, torch
     if header.scaled:
         scales = _tensor(frames[3], torch.float32, (2, *header.shape[:2]))
     return header, k, v, scales
+
+
+def _check(h: LayerHeader) -> None:
+    """Numbers a sender controls, bounded before any tensor is made from them."""
+    if min(h.shape) < 0 or not 0 <= h.layer < h.num_layers or h.start < 0:
+        raise ValueError(f"kv: layer {h.layer} of {h.num_layers}, start {h.start}, shape {h.shape}")
+    if h.end != h.start + h.shape[0]:
+        raise ValueError(f"kv: positions [{h.start}, {h.end}) for {h.shape[0]} tokens")
 
 
 def _raw(t: torch.Tensor) -> memoryview:

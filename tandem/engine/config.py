@@ -147,6 +147,18 @@ class EngineConfig:
         "decode role: seconds a reservation waits for its KV before it is given up (the "
         "request fails and its blocks go back)",
     )
+    kv_secret_key: str | None = _flag(
+        None,
+        "an authenticated KV link (CurveZMQ): this instance's secret key file from `tandem keys "
+        "generate` (default: the link is open to whoever reaches it)",
+        type=str,
+    )
+    kv_peer_keys: str | None = _flag(
+        None,
+        "with --kv-secret-key: decode role, a folder of the public keys of the prefill "
+        "instances it takes KV from; prefill role, the decode instances' public key file",
+        type=str,
+    )
     speculative_config: SpeculativeConfig | None = _flag(
         None,
         'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": '
@@ -202,6 +214,8 @@ class EngineConfig:
             )
         self._check_choice("scheduling_policy", SCHEDULING_POLICIES)
         self._check_choice("role", ROLES)
+        if bool(self.kv_secret_key) != bool(self.kv_peer_keys):
+            raise ValueError("kv_secret_key: give --kv-secret-key and --kv-peer-keys together")
         if not (isinstance(self.kv_port, int) and 0 <= self.kv_port <= 65535):
             raise ValueError(f"kv_port must be an integer in [0, 65535], got {self.kv_port!r}")
         if not self.kernel_build_timeout > 0:

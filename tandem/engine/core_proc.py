@@ -290,7 +290,12 @@ def _role(core, loaded, config):
         from tandem.disagg.connector import KVSender
         from tandem.disagg.prefill import KVSendingRunner
 
-        sender = KVSender()
+        keys = None
+        if config.kv_secret_key:
+            from tandem.disagg.curve import SenderKeys
+
+            keys = SenderKeys(config.kv_secret_key, config.kv_peer_keys)
+        sender = KVSender(keys=keys)
         core.runner = KVSendingRunner(core.runner, sender, num_layers)
         return None, sender
     if config.role == "decode":
@@ -298,12 +303,14 @@ def _role(core, loaded, config):
         from tandem.disagg.decode import KVReceiving
 
         try:
-            receiver = KVReceiver(f"tcp://{config.kv_host}:{config.kv_port}")
+            receiver = KVReceiver(f"tcp://{config.kv_host}:{config.kv_port}",
+                                  secret_key=config.kv_secret_key, peer_keys=config.kv_peer_keys)  # fmt: skip
         except zmq.ZMQError as e:
             raise ValueError(
                 f"kv_port: cannot listen for KV on {config.kv_host}:{config.kv_port}: {e}"
             ) from None
-        log.info("decode role: receiving KV on %s", receiver.address)
+        log.info("decode role: receiving KV on %s (%s)", receiver.address,
+                 "CURVE: known prefill keys only" if receiver.auth else "unauthenticated")  # fmt: skip
         return KVReceiving(core, receiver, num_layers, config.kv_transfer_timeout), None
     return None, None
 

@@ -15,9 +15,9 @@ disagg/proxy.py. Both modes share the gate (API key), forwarding and metrics.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -40,7 +40,8 @@ from starlette.routing import Route
 from tandem.router.forwarding import read_request
 from tandem.router.policy import RouteRequest, WorkerState, prompt_text
 from tandem.router.pool import WorkerPool
-from tandem.server.errors import APIError, bad_request, server_error, unauthorized, unavailable
+from tandem.server.errors import APIError, bad_request, server_error, unavailable
+from tandem.server.security import Access, AccessGate
 from tandem.server.streaming import DONE, cancel_on_disconnect, sse_error
 
 log = logging.getLogger("tandem")
@@ -48,11 +49,11 @@ log = logging.getLogger("tandem")
 
 @dataclass(frozen=True)
 class RouterConfig:
-    api_key: str | None = None
     max_attempts: int = 3
     retry_deadline: float = 30.0  # seconds from arrival within which a retry may start
     request_timeout: float = 600.0  # the longest a worker may take to its first token
     stream_timeout: float = 60.0  # the longest silence inside a streamed answer
+    worker_tls: ssl.SSLContext | None = None  # https:// workers signed by a private CA
 
 
 class RouterMetrics:
@@ -182,7 +183,9 @@ class Router:
         aiohttp 0.54 ms (benchmarks/router.py, docs/router.md). httpx still probes workers."""
         if self.session is None:
             self.session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+                connector=aiohttp.TCPConnector(
+                    limit=0, keepalive_timeout=60, ssl=self.config.worker_tls or True
+                ),
                 auto_decompress=False,  # bytes pass through as the worker sent them
             )
         return self.session
@@ -271,21 +274,6 @@ class _Failed(Exception):
         self.busy = busy
 
 
-class _Gate:
-    """Pure ASGI middleware (no per-request task, unlike @app.middleware): the API key on
-    /v1 and /workers."""
-
-    def __init__(self, app, expected: bytes) -> None:
-        self.app, self.expected = app, expected
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(("/v1", "/workers")):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                return await unauthorized().response()(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
 async def _until_first_token(chunks) -> bytes:
     """Read a streamed answer until an event that carries a token, a finish, an error or
     the end; return everything read so far."""
@@ -315,7 +303,8 @@ def _carries_output(event: bytes) -> bool:
 
 
 def build_app(
-    api_key: str | None,
+    access: Access,
+    registry,
     complete,
     forward,
     healthy,
@@ -364,10 +353,9 @@ def build_app(
         Route("/metrics", metrics),
         *(_worker_routes(router.pool) if router is not None else ()),
     ]
-    gate = [Middleware(_Gate, expected=f"Bearer {api_key}".encode())] if api_key else []
     return Starlette(
         routes=routes,
-        middleware=gate,
+        middleware=[Middleware(AccessGate, access=access, registry=registry)],
         exception_handlers={APIError: api_error, Exception: unexpected},
     )
 
@@ -409,7 +397,7 @@ def _worker_routes(pool: WorkerPool) -> list[Route]:
     ]
 
 
-def plain_app(router: Router) -> Starlette:
+def plain_app(router: Router, access: Access) -> Starlette:
     async def forward(method: str, path: str, request: Request) -> Response:
         body, _, headers = await read_request(request)
         for worker in router.pool.order(RouteRequest("")):
@@ -430,14 +418,15 @@ def plain_app(router: Router) -> Starlette:
         router.refresh_metrics()
         return generate_latest(router.metrics.registry)
 
-    return build_app(router.config.api_key, router.complete, forward, healthy, metrics_text, router)
+    return build_app(access, router.metrics.registry, router.complete, forward, healthy,
+                     metrics_text, router)  # fmt: skip
 
 
-def pd_app(proxy) -> Starlette:
+def pd_app(proxy, access: Access) -> Starlette:
     """PD mode: completions run the handoff (disagg/proxy.py)."""
 
     def metrics_text() -> bytes:
         return generate_latest(proxy.metrics.registry)
 
-    return build_app(proxy.config.api_key, proxy.complete, proxy.forward, proxy.healthy,
-                     metrics_text)  # fmt: skip
+    return build_app(access, proxy.metrics.registry, proxy.complete, proxy.forward,
+                     proxy.healthy, metrics_text)  # fmt: skip

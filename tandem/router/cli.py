@@ -5,22 +5,20 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 from tandem.engine.heap import freeze_startup_heap
 from tandem.logs import setup_logging
+from tandem.server.security import Access, AccessPolicy
+from tandem.server.security_flags import add_security_args, client_tls, key_ring, uvicorn_tls
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: this machine only; 0.0.0.0 for all)")  # fmt: skip
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("TANDEM_API_KEY"),
-        help="require `Authorization: Bearer KEY` on /v1 and /workers, and pass it on to the "
-        "workers (default: $TANDEM_API_KEY)",
-    )
+    add_security_args(p, "/v1 and /workers (passed on to the workers)")
+    p.add_argument("--worker-ca-certs", default=None,
+                   help="CA certificates to check https:// workers against (a private CA)")  # fmt: skip
     p.add_argument("--stream-timeout", type=float, default=60.0,
                    help="longest silence inside a worker's streamed answer")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=600.0,
@@ -62,6 +60,8 @@ def add_parser(sub) -> None:
                    help="workers a request may be tried on before it fails")  # fmt: skip
     p.add_argument("--retry-deadline", type=float, default=30.0,
                    help="seconds after arrival within which a retry may start")  # fmt: skip
+    p.add_argument("--enable-worker-updating", action="store_true",
+                   help="without --admin-api-key: open POST and DELETE /workers to API keys")  # fmt: skip
     add_common(p)
     add_pd(p, required=False)
 
@@ -70,9 +70,13 @@ def run(args: argparse.Namespace) -> int:
     import httpx
 
     setup_logging("router")
+    keys, tls = key_ring(args), uvicorn_tls(args)
+    worker_tls = client_tls(args.worker_ca_certs)
     pd = bool(getattr(args, "prefill", None) or getattr(args, "decode", None))
     client = httpx.AsyncClient(
-        timeout=None, limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        verify=worker_tls or True,
+        timeout=None,
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
     )
     if pd:
         from tandem.disagg.proxy import Proxy, ProxyConfig
@@ -81,14 +85,14 @@ def run(args: argparse.Namespace) -> int:
         config = ProxyConfig(
             tuple(u.rstrip("/") for u in args.prefill or ()),
             tuple(u.rstrip("/") for u in args.decode or ()),
-            args.api_key,
             args.reserve_timeout,
             args.prefill_timeout,
             args.stream_timeout,
             args.request_timeout,
         )
         proxy = Proxy(config, client)
-        app, pool, closing = pd_app(proxy), proxy, None
+        access = Access(keys, AccessPolicy(admin=()), args.max_request_bytes)
+        app, pool, closing = pd_app(proxy, access), proxy, None
         what = f"PD mode: prefill {config.prefill}, decode {config.decode}"
     else:
         from tandem.core.cost_model import CostModel
@@ -107,25 +111,35 @@ def run(args: argparse.Namespace) -> int:
         policy = build_policy(args.policy, cost)
         pool = WorkerPool(args.worker, policy, client, args.probe_interval,
                           eject_after=args.eject_after, watch_file=args.worker_file)  # fmt: skip
-        config = RouterConfig(args.api_key, args.max_attempts, args.retry_deadline,
-                              args.request_timeout, args.stream_timeout)  # fmt: skip
+        config = RouterConfig(args.max_attempts, args.retry_deadline, args.request_timeout,
+                              args.stream_timeout, worker_tls)  # fmt: skip
         router = Router(pool, config, client)
-        app, closing = plain_app(router), router.aclose
+        policy = AccessPolicy(user=("/v1", "/workers"), admin=("/workers",),
+                              admin_methods=("POST", "DELETE"),
+                              admin_open=args.enable_worker_updating,
+                              admin_flag="--enable-worker-updating")  # fmt: skip
+        access = Access(keys, policy, args.max_request_bytes)
+        app, closing = plain_app(router, access), router.aclose
         what = f"{args.policy} over {len(pool.workers)} workers"
-    return _serve(app, pool, args, what, closing)
+    return _serve(app, pool, args, what, keys.requires_key, tls, closing)
 
 
-def _serve(app, pool, args, what: str, closing=None) -> int:
+def _serve(app, pool, args, what: str, requires_key: bool, tls: dict, closing=None) -> int:
     import uvicorn
 
     from tandem.server.cli import _listen, run_event_loop, warn_if_exposed
 
     sock = _listen(args.host, args.port)
-    warn_if_exposed(args.host, args.api_key, "tandem router")
+    warn_if_exposed(args.host, requires_key, bool(tls), "tandem router")
     server = uvicorn.Server(
         uvicorn.Config(
-            app, log_level=args.uvicorn_log_level, lifespan="off", timeout_graceful_shutdown=5
-        )  # fmt: skip
+            app,
+            log_level=args.uvicorn_log_level,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=args.timeout_keep_alive,
+            **tls,
+        )
     )
 
     async def main() -> None:

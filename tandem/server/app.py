@@ -1,8 +1,8 @@
-"""The FastAPI app: routes, the gate in front of them (draining, API key), error mapping."""
+"""The FastAPI app: routes, the gates in front of them (draining; keys and limits, in
+security.py), error mapping."""
 
 from __future__ import annotations
 
-import hmac
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,7 +23,6 @@ from tandem.server.errors import (
     bad_request,
     error_response,
     server_error,
-    unauthorized,
     unavailable,
 )
 from tandem.server.metrics import Metrics
@@ -36,6 +35,7 @@ from tandem.server.protocol import (
     UnloadLoRAAdapterRequest,
     parse,
 )
+from tandem.server.security import Access, AccessGate, check_allowed_path
 from tandem.server.serving import Serving, api_error
 from tandem.server.streaming import json_response
 
@@ -55,17 +55,15 @@ _BODIES = {
 class ServerState:
     serving: Serving
     metrics: Metrics
-    api_key: str | None = None
     draining: bool = False
     in_flight: int = 0  # requests inside the app, streaming responses until their last byte
 
 
 class Gate:
-    """Pure ASGI middleware: 503 while draining, the API key on /v1, in-flight counting."""
+    """Pure ASGI middleware: 503 while draining, in-flight counting."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app, self.state = app, state
-        self._expected = f"Bearer {state.api_key}".encode() if state.api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in _UNGATED:
@@ -73,26 +71,20 @@ class Gate:
         if self.state.draining:
             error = unavailable("The server is shutting down.")
             return await error.response()(scope, receive, send)
-        if self._expected and scope["path"].startswith("/v1") and not self._authorized(scope):
-            return await unauthorized().response()(scope, receive, send)
         self.state.in_flight += 1
         try:
             await self.app(scope, receive, send)
         finally:
             self.state.in_flight -= 1
 
-    def _authorized(self, scope: Scope) -> bool:
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                return hmac.compare_digest(value, self._expected)  # constant time
-        return False
 
-
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, access: Access | None = None) -> FastAPI:
     serving = state.serving
     engine = serving.engine
+    access = access or Access()
     app = FastAPI(title="tandem", version=__version__, docs_url=None, redoc_url=None)
-    app.add_middleware(Gate, state=state)
+    app.add_middleware(AccessGate, access=access, registry=state.metrics.registry)
+    app.add_middleware(Gate, state=state)  # outermost: a draining server refuses first
     _add_error_handlers(app)
     app.openapi = lambda: _openapi(app)
 
@@ -119,7 +111,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
         req = parse(LoadLoRAAdapterRequest, await request.body())
-        await serving.loras.load(req.lora_name, req.lora_path, serving.served_names)
+        path = check_allowed_path(req.lora_path, access.allowed_local_paths, "lora_path")
+        await serving.loras.load(req.lora_name, path, serving.served_names)
         return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")

@@ -14,7 +14,6 @@ import contextlib
 import errno
 import ipaddress
 import logging
-import os
 import signal
 import socket
 
@@ -22,6 +21,7 @@ import uvicorn
 
 from tandem.engine.heap import freeze_startup_heap
 from tandem.logs import setup_logging
+from tandem.server.security_flags import add_security_args, key_ring, uvicorn_tls
 
 log = logging.getLogger("tandem")
 DEAD_LINGER_S = 1.0  # after the engine dies, /health answers 503 this long, then we exit 1
@@ -46,10 +46,20 @@ def add_parser(sub) -> None:
         default=None,
         help="name(s) clients use for the model; the first one is reported (default: MODEL)",
     )
+    add_security_args(p, "/v1")
     p.add_argument(
-        "--api-key",
-        default=os.environ.get("TANDEM_API_KEY"),
-        help="require `Authorization: Bearer KEY` on /v1 (default: $TANDEM_API_KEY)",
+        "--enable-runtime-lora-updating",
+        action="store_true",
+        help="without --admin-api-key: open /v1/load_lora_adapter and /v1/unload_lora_adapter "
+        "to API keys (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 does the same)",
+    )
+    p.add_argument(
+        "--allowed-local-path",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="runtime LoRA loads only from under DIR (repeat for several); a path elsewhere "
+        "is a 403 (default: any path, for whoever may load)",
     )
     p.add_argument(
         "--lora-modules",
@@ -127,8 +137,9 @@ def run(args: argparse.Namespace) -> int:
         from tandem.engine.tokenizer import load_chat_template
 
         args.chat_template = load_chat_template(args.chat_template)
+    args.keys, args.tls = key_ring(args), uvicorn_tls(args)  # bad values fail before loading
     sock = _listen(args.host, args.port)  # before the model loads: a taken port fails at once
-    warn_if_exposed(args.host, args.api_key, "tandem serve")
+    warn_if_exposed(args.host, args.keys.requires_key, bool(args.tls), "tandem serve")
     try:
         return run_event_loop(_serve(args, config, model, sock))
     finally:
@@ -147,16 +158,22 @@ def run_event_loop(main):
     return uvloop.run(main)
 
 
-def warn_if_exposed(host: str, api_key: str | None, what: str) -> None:
-    """Say where the server listens; warn when it is reachable from other machines and
-    asks for no key."""
+def warn_if_exposed(host: str, requires_key: bool, tls: bool, what: str) -> None:
+    """Say where the server listens; warn when it is reachable from other machines and asks
+    for no key, or takes keys and prompts over plain HTTP."""
     log = logging.getLogger("tandem")
     if _is_loopback(host):
         log.info("%s listens on %s only (this machine); --host 0.0.0.0 opens it to all", what, host)
-    elif not api_key:
+        return
+    if not requires_key:
         log.warning(
             "%s listens on %s, reachable from other machines, and requires no API key: "
             "anyone who can reach it can use it (set --api-key or TANDEM_API_KEY)", what, host
+        )  # fmt: skip
+    if not tls:
+        log.warning(
+            "%s listens on %s without TLS: keys and prompts cross the network in clear text "
+            "(set --ssl-certfile and --ssl-keyfile, or put a TLS proxy in front)", what, host
         )  # fmt: skip
 
 
@@ -196,6 +213,7 @@ async def _serve(args: argparse.Namespace, config, model: str | None, sock) -> i
     from tandem.server.errors import APIError
     from tandem.server.lora import parse_lora_modules
     from tandem.server.metrics import Metrics
+    from tandem.server.security import Access, AccessPolicy, runtime_lora_updating
     from tandem.server.serving import Serving
 
     loop = asyncio.get_running_loop()
@@ -227,10 +245,18 @@ async def _serve(args: argparse.Namespace, config, model: str | None, sock) -> i
             except APIError as e:
                 raise ValueError(f"--lora-modules {name}: {e.message}") from None
             log.info("LoRA adapter %s loaded from %s", name, path)
-        state = ServerState(serving, metrics, args.api_key)
+        state = ServerState(serving, metrics)
+        access = Access(
+            args.keys,
+            AccessPolicy(admin_open=runtime_lora_updating(args.enable_runtime_lora_updating)),
+            args.max_request_bytes,
+            args.allowed_local_path,
+        )
         server = _Server(
             uvicorn.Config(
-                build_app(state),
+                build_app(state, access),
+                timeout_keep_alive=args.timeout_keep_alive,
+                **args.tls,
                 log_level=args.uvicorn_log_level,
                 access_log=not args.disable_uvicorn_access_log,
                 lifespan="off",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.disagg.curve import generate
 from tests.router.conftest import FrontEnd
 from tests.server.conftest import Server, metrics
 
@@ -63,7 +64,20 @@ def deployments(llama_path, tmp_path_factory):
         d = Server(llama_path, ["--role", "decode", *decode_args], logs, f"{name}-decode")
         started[name] = (ref, p, d, ProxyProcess([p], [d], logs, f"{name}-proxy", proxy_args))
 
-    deployment("same", reference_args=())  # float32, blocks of 16 everywhere
+    keys = tmp_path_factory.mktemp("kv-keys")
+    decode_key, decode_secret = generate(str(keys / "decode"), "decode")
+    _, prefill_secret = generate(str(keys / "prefill"), "p0")
+    deployment(  # float32, blocks of 16 everywhere; the KV link authenticated (CURVE)
+        "same",
+        prefill_args=("--kv-secret-key", str(prefill_secret), "--kv-peer-keys", str(decode_key)),
+        decode_args=(
+            "--kv-secret-key",
+            str(decode_secret),
+            "--kv-peer-keys",
+            str(keys / "prefill"),
+        ),
+        reference_args=(),
+    )
     deployment("mixed", decode_args=BF16_8, reference_args=BF16_8)  # float32/16 -> bf16/8
     deployment("dies", proxy_args=("--stream-timeout", "5"))
     deployment(

@@ -89,6 +89,7 @@ def test_greedy_completion_through_the_proxy_equals_colocated(deployments, promp
             assert a == pytest.approx(b, abs=1e-4)
     assert got["usage"] == want["usage"]
     assert proxy.metrics()["tandem:pd_requests_total:handoff"] >= 1
+    assert "(CURVE: known prefill keys only)" in d.log()  # the KV came over the secured link
     _holds_no_blocks(p, d)
 
 

@@ -17,8 +17,9 @@ PROMPT = [11, 52, 33, 74, 5, 6, 7, 8]
 
 @pytest.fixture(scope="module")
 def lora_server(checkpoints, adapters, tmp_path_factory):
+    # --enable-runtime-lora-updating: vLLM's way, the endpoints open without an admin key
     args = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
-            "--lora-modules", f"all={adapters['all']}"]  # fmt: skip
+            "--lora-modules", f"all={adapters['all']}", "--enable-runtime-lora-updating"]  # fmt: skip
     server = Server(checkpoints["llama"], args, tmp_path_factory.mktemp("logs"), "lora")
     try:
         yield server.wait_ready()

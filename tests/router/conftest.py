@@ -15,9 +15,10 @@ from tests.server.conftest import ROOT, free_port
 class FrontEnd:
     """`tandem router` or `tandem proxy` as a process: ready once its /health answers 200."""
 
-    def __init__(self, args: list[str], log_dir: Path, name: str) -> None:
+    def __init__(self, args: list[str], log_dir: Path, name: str, tls: dict | None = None) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = tls or {}  # httpx's verify= and cert=
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
         cmd = [sys.executable, "-m", "tandem.cli", args[0], "--host", "127.0.0.1",
                "--port", str(self.port), *args[1:]]  # fmt: skip
@@ -30,7 +31,7 @@ class FrontEnd:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.log_path.stem} exited:\n{self.log_path.read_text()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=2, **self.tls).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass

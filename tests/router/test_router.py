@@ -18,6 +18,7 @@ from tests.server.conftest import Server
 
 pytestmark = pytest.mark.slow
 PROBE = ("--probe-interval", "0.5")
+OPS = {"Authorization": "Bearer sk-ops"}  # the steady router's admin key
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,9 @@ def cluster(llama_path, tmp_path_factory):
     lone = Server(llama_path, [], logs, "lone")
     stalled = StalledWorker()
     routers = {
-        "steady": RouterProcess([s.url for s in steady], logs, "router-steady", PROBE),
+        "steady": RouterProcess(
+            [s.url for s in steady], logs, "router-steady", (*PROBE, "--admin-api-key", "sk-ops")
+        ),
         "prefix": RouterProcess([s.url for s in steady], logs, "router-prefix", PROBE),
         "doomed": RouterProcess([s.url for s in doomed], logs, "router-doomed", PROBE),
         "stalled": RouterProcess(
@@ -137,7 +140,10 @@ def test_prefix_aware_routing_keeps_a_conversation_on_one_worker(cluster):
 
 def test_workers_are_added_and_removed_while_the_router_runs(cluster):
     router = _up(cluster["steady"], cluster["routers"]["steady"])
-    added = httpx.post(router.url + "/workers", json={"url": "http://127.0.0.1:9"}, timeout=10)
+    assert httpx.post(router.url + "/workers", json={"url": "http://x"}).status_code == 401
+    added = httpx.post(
+        router.url + "/workers", json={"url": "http://127.0.0.1:9"}, headers=OPS, timeout=10
+    )
     assert added.status_code == 201
     wid = added.json()["id"]
     deadline = time.monotonic() + 10
@@ -146,10 +152,12 @@ def test_workers_are_added_and_removed_while_the_router_runs(cluster):
     assert not router.workers()["http://127.0.0.1:9"]["healthy"]  # nobody there: ejected
     for _ in range(3):  # and never chosen meanwhile
         _post(router.url, _greedy("still served"))
-    assert httpx.delete(f"{router.url}/workers/{wid}").status_code == 204
+    assert httpx.delete(f"{router.url}/workers/{wid}").status_code == 401
+    assert httpx.delete(f"{router.url}/workers/{wid}", headers=OPS).status_code == 204
     assert "http://127.0.0.1:9" not in router.workers()
-    assert httpx.delete(f"{router.url}/workers/{wid}").status_code == 404
-    assert httpx.post(router.url + "/workers", json={"url": "ftp://x"}).status_code == 400
+    assert httpx.delete(f"{router.url}/workers/{wid}", headers=OPS).status_code == 404
+    bad = httpx.post(router.url + "/workers", json={"url": "ftp://x"}, headers=OPS)
+    assert bad.status_code == 400
 
 
 def test_kill_9_of_one_of_three_workers_under_load_costs_no_request(cluster, llama_path):

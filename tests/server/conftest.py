@@ -111,9 +111,11 @@ class Server:
         name: str,
         port: int | None = None,
         env: dict[str, str] | None = None,
+        tls: dict | None = None,
     ) -> None:
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = tls or {}  # httpx's verify= (a CA file) and cert= (a client certificate)
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
         cmd = [sys.executable, "-m", "tandem.cli", "serve", *([str(model)] if model else [])]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), *COMMON, *args]
@@ -138,7 +140,8 @@ class Server:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()}")
             try:
-                self._ready = httpx.get(f"{self.url}/health", timeout=1).status_code == 200
+                health = httpx.get(f"{self.url}/health", timeout=1, **self.tls)
+                self._ready = health.status_code == 200
             except httpx.TransportError:
                 pass
             if not self._ready:

@@ -122,6 +122,7 @@ def test_openapi_document_describes_the_request_bodies(http):
     assert "/v1/chat/completions" in doc["paths"] and "/tokenize" in doc["paths"]
 
 
-def test_a_server_without_enable_lora_refuses_to_load_an_adapter(http, tmp_path):
-    r = http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(tmp_path)})
-    assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
+def test_without_an_admin_key_the_lora_endpoints_are_off(http, tmp_path):
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        r = http.post(path, json={"lora_name": "a", "lora_path": str(tmp_path)})
+        assert r.status_code == 403 and "--admin-api-key" in r.json()["error"]["message"]

@@ -99,20 +99,23 @@ def test_serve_and_router_listen_on_this_machine_only_unless_told():
 
 
 @pytest.mark.parametrize(
-    "host, key, says",
+    "host, key, tls, says",
     [
-        ("127.0.0.1", None, "listens on 127.0.0.1 only (this machine)"),
-        ("localhost", None, "listens on localhost only"),
-        ("::1", None, "listens on ::1 only"),
-        ("0.0.0.0", None, "reachable from other machines, and requires no API key"),
-        ("0.0.0.0", "sk-1", None),
+        ("127.0.0.1", False, False, "listens on 127.0.0.1 only (this machine)"),
+        ("localhost", False, False, "listens on localhost only"),
+        ("::1", False, False, "listens on ::1 only"),
+        ("0.0.0.0", False, True, "reachable from other machines, and requires no API key"),
+        ("0.0.0.0", True, False, "without TLS: keys and prompts cross the network in clear"),
+        ("0.0.0.0", True, True, None),
     ],
 )
-def test_a_server_open_to_other_machines_without_a_key_is_warned_about(caplog, host, key, says):
+def test_a_server_open_to_other_machines_without_a_key_or_tls_is_warned_about(
+    caplog, host, key, tls, says
+):
     from tandem.server.cli import warn_if_exposed
 
     with caplog.at_level("INFO", logger="tandem"):
-        warn_if_exposed(host, key, "tandem serve")
+        warn_if_exposed(host, key, tls, "tandem serve")
     warned = [r for r in caplog.records if r.levelname == "WARNING"]
     if says is None:
         assert not caplog.records  # an open server with a key: nothing to say
