@@ -15,6 +15,7 @@ from tandem.server.deltas import ChoiceCursor
 from tandem.server.errors import bad_request
 from tandem.server.logprobs import chat_logprobs
 from tandem.server.protocol import ChatCompletionRequest, ChatMessage, parse
+from tandem.server.security import charge_tokens
 from tandem.server.serving import Prompt, Serving, error_json, usage
 from tandem.server.streaming import (
     DONE,
@@ -54,6 +55,7 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     params = serving.fit(prompt, params, "messages", "top_logprobs")
     job = _Job(serving, req, prompt, params.stop)
     kv = req.kv_transfer_params
+    charge_tokens(request.scope, len(prompt.token_ids) + params.max_tokens * params.n)
     streams = serving.generate(job.id, [prompt], [params], req.priority, req.slo_class, kv, lora_id)
     handoff = await serving.reservation([prompt], streams, kv)  # a decode instance's answer
     if req.stream:

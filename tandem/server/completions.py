@@ -13,6 +13,7 @@ from tandem.engine.outputs import CompletionOutput, RequestOutput
 from tandem.server.deltas import ChoiceCursor
 from tandem.server.logprobs import completion_logprobs
 from tandem.server.protocol import CompletionRequest, parse
+from tandem.server.security import charge_tokens
 from tandem.server.serving import Prompt, Serving, error_json, usage
 from tandem.server.streaming import (
     DONE,
@@ -35,6 +36,8 @@ async def create_completion(serving: Serving, request: Request) -> Response:
     params_per_prompt = [serving.fit(p, params) for p in prompts]
     job = _Job(serving, req, prompts, params.stop)
     kv = req.kv_transfer_params
+    charge_tokens(request.scope, sum(len(p.token_ids) + pp.max_tokens * pp.n
+                                     for p, pp in zip(prompts, params_per_prompt)))  # fmt: skip
     streams = serving.generate(
         job.id, prompts, params_per_prompt, req.priority, req.slo_class, kv, lora_id
     )

@@ -36,9 +36,12 @@ MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a 128k-token prompt as JSON is ~1 MiB
 class KeyLimits:
     rpm: int | None = None  # requests per minute
     concurrency: int | None = None  # requests in flight
+    # tokens per minute, charged at admission as OpenAI counts them: prompt tokens plus
+    # max_tokens for each completion asked for
+    tpm: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("rpm", "concurrency"):
+        for name in ("rpm", "concurrency", "tpm"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -48,6 +51,7 @@ class KeyLimits:
         return KeyLimits(
             self.rpm if self.rpm is not None else other.rpm,
             self.concurrency if self.concurrency is not None else other.concurrency,
+            self.tpm if self.tpm is not None else other.tpm,
         )
 
 
@@ -60,12 +64,13 @@ class APIKey:
 
 
 def parse_limits(spec: str, where: str) -> KeyLimits:
-    """'rpm=60,concurrency=4' (commas or spaces) -> KeyLimits; ValueError naming `where`."""
+    """'rpm=60,tpm=20000,concurrency=4' (commas or spaces) -> KeyLimits; ValueError naming
+    `where`."""
     values: dict[str, int] = {}
     for item in spec.replace(",", " ").split():
         name, _, value = item.partition("=")
-        if name not in ("rpm", "concurrency") or not value.isdigit():
-            raise ValueError(f"{where}: {item!r} is not rpm=N or concurrency=N")
+        if name not in ("rpm", "tpm", "concurrency") or not value.isdigit():
+            raise ValueError(f"{where}: {item!r} is not rpm=N, tpm=N or concurrency=N")
         values[name] = int(value)
     try:
         return KeyLimits(**values)
@@ -74,7 +79,7 @@ def parse_limits(spec: str, where: str) -> KeyLimits:
 
 
 def parse_key_file(text: str, where: str = "api_key_file") -> list[APIKey]:
-    """One key a line: `KEY [name=NAME] [role=user|admin] [rpm=N] [concurrency=N]`; blank
+    """One key a line: `KEY [name=NAME] [role=user|admin] [rpm=N] [tpm=N] [concurrency=N]`; blank
     lines and # comments skipped. Errors name the line, never the key."""
     keys = []
     for number, line in enumerate(text.splitlines(), 1):
@@ -84,7 +89,9 @@ def parse_key_file(text: str, where: str = "api_key_file") -> list[APIKey]:
         secret, options = words[0], dict(w.partition("=")[::2] for w in words[1:])
         at = f"{where} line {number}"
         if "=" in secret:
-            raise ValueError(f"{at}: the key comes first, then name=, role=, rpm=, concurrency=")
+            raise ValueError(
+                f"{at}: the key comes first, then name=, role=, rpm=, tpm=, concurrency="
+            )
         name = options.pop("name", f"key{number}")
         role = options.pop("role", USER)
         if role not in (USER, ADMIN):
@@ -155,11 +162,14 @@ class KeyRing:
 
 
 class Limiter:
-    """Per identity: a requests-per-minute token bucket and a count of requests in flight."""
+    """Per identity: token buckets of requests and of tokens per minute, refilled
+    continuously, and a count of requests in flight."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self.buckets: dict[str, tuple[float, float]] = {}  # who -> (tokens, when)
+        self.buckets: dict[
+            tuple[str, str], tuple[float, float]
+        ] = {}  # (who, unit) -> (level, when)
         self.in_flight: dict[str, int] = {}
 
     def admit(self, who: str, limits: KeyLimits) -> float | None:
@@ -167,14 +177,29 @@ class Limiter:
         if limits.concurrency is not None and self.in_flight.get(who, 0) >= limits.concurrency:
             return 1.0
         if limits.rpm is not None:
-            now = self.clock()
-            tokens, then = self.buckets.get(who, (float(limits.rpm), now))
-            tokens = min(float(limits.rpm), tokens + (now - then) * limits.rpm / 60)
-            if tokens < 1:
-                self.buckets[who] = (tokens, now)
-                return (1 - tokens) * 60 / limits.rpm
-            self.buckets[who] = (tokens - 1, now)
+            wait = self._take((who, "requests"), limits.rpm, 1)
+            if wait is not None:
+                return wait
         self.in_flight[who] = self.in_flight.get(who, 0) + 1
+        return None
+
+    def charge(self, who: str, limits: KeyLimits, tokens: int) -> float | None:
+        """Take `tokens` from the key's tokens-per-minute bucket: None if they fit, else
+        seconds until they would (math.inf: more than a whole minute's worth)."""
+        if limits.tpm is None:
+            return None
+        if tokens > limits.tpm:
+            return math.inf
+        return self._take((who, "tokens"), limits.tpm, tokens)
+
+    def _take(self, bucket: tuple[str, str], per_minute: int, amount: int) -> float | None:
+        now = self.clock()
+        level, then = self.buckets.get(bucket, (float(per_minute), now))
+        level = min(float(per_minute), level + (now - then) * per_minute / 60)
+        if level < amount:
+            self.buckets[bucket] = (level, now)
+            return (amount - level) * 60 / per_minute
+        self.buckets[bucket] = (level - amount, now)
         return None
 
     def release(self, who: str) -> None:
@@ -268,9 +293,23 @@ class AccessGate:
                 self.requests.labels(name, "refused_413").inc()
                 return await _too_large(self.max_bytes).response()(scope, receive, send)
             self.requests.labels(name, "admitted").inc()
+            scope["tandem.charge"] = lambda tokens: self._charge(name, who, limits, tokens)
             await self.app(scope, _replay(body, receive), send)
         finally:
             self.limiter.release(who)
+
+    def _charge(self, name: str, who: str, limits: KeyLimits, tokens: int) -> None:
+        wait = self.limiter.charge(who, limits, tokens)
+        if wait is None:
+            return
+        self.requests.labels(name, "token_limited").inc()
+        if wait == math.inf:
+            raise APIError(
+                429, f"this request may use {tokens} tokens (prompt plus max_tokens), more than "
+                f"this key's {limits.tpm} tokens per minute: lower max_tokens",
+                type="rate_limit_error", code="rate_limit_exceeded",
+            )  # fmt: skip
+        raise _too_many(wait)
 
     def _refusal(self, kind: str, key: APIKey | None) -> APIError | None:
         if kind == ADMIN:
@@ -354,6 +393,14 @@ def _too_many(wait: float) -> APIError:
         code="rate_limit_exceeded",
         headers={"Retry-After": str(seconds)},
     )
+
+
+def charge_tokens(scope: Scope, tokens: int) -> None:
+    """Charge a request's tokens (prompt plus max_tokens per completion) to its key's
+    tokens-per-minute limit; raises a 429 APIError past it. A no-op without the gate."""
+    charge = scope.get("tandem.charge")
+    if charge is not None:
+        charge(tokens)
 
 
 def check_allowed_path(path: str, roots: list[str] | None, param: str) -> str:

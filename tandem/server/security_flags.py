@@ -23,7 +23,8 @@ def add_security_args(p: argparse.ArgumentParser, key_help: str) -> None:
     p.add_argument(
         "--api-key-file",
         default=None,
-        help="keys one a line: `KEY [name=NAME] [role=user|admin] [rpm=N] [concurrency=N]` "
+        help="keys one a line: `KEY [name=NAME] [role=user|admin] [rpm=N] [tpm=N] "
+        "[concurrency=N]` "
         "(the name is what logs and /metrics show; limits override --rate-limit)",
     )
     p.add_argument(
@@ -35,9 +36,10 @@ def add_security_args(p: argparse.ArgumentParser, key_help: str) -> None:
     p.add_argument(
         "--rate-limit",
         default=None,
-        metavar="rpm=N,concurrency=N",
-        help="per key (per client address without keys): requests per minute and requests "
-        "in flight; past either, 429 with Retry-After (default: no limit)",
+        metavar="rpm=N,tpm=N,concurrency=N",
+        help="per key (per client address without keys): requests per minute, tokens per "
+        "minute (prompt plus max_tokens, charged by `tandem serve`) and requests in flight; "
+        "past any, 429 with Retry-After (default: no limit)",
     )
     p.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
                    help="a larger request body is refused with 413")  # fmt: skip

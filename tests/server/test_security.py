@@ -79,7 +79,7 @@ def test_a_key_file_gives_each_key_a_name_a_role_and_limits():
     [
         ("sk-x rpm=0", "line 1: rpm must be >= 1"),
         ("sk-x role=root", "line 1: role must be user or admin"),
-        ("sk-x speed=3", "line 1: 'speed=3' is not rpm=N or concurrency=N"),
+        ("sk-x speed=3", "line 1: 'speed=3' is not rpm=N, tpm=N or concurrency=N"),
         ("name=x sk-x", "line 1: the key comes first"),
     ],
 )
@@ -162,6 +162,17 @@ def test_requests_per_minute_refill_continuously_and_say_when_to_retry():
     assert limiter.admit("a", limits) is not None
     clock.now = 30.0
     assert limiter.admit("a", limits) is None
+
+
+def test_tokens_per_minute_are_charged_up_front_and_refill_continuously():
+    clock = Clock()
+    limiter, limits = Limiter(clock), KeyLimits(tpm=600)
+    assert limiter.charge("a", limits, 400) is None
+    assert limiter.charge("a", limits, 400) == pytest.approx(20.0)  # 200 short, 10 a second
+    clock.now = 20.0
+    assert limiter.charge("a", limits, 400) is None
+    assert limiter.charge("a", limits, 601) == float("inf")  # never fits: say so, not "wait"
+    assert limiter.charge("a", KeyLimits(), 10**9) is None  # no tpm: no charge
 
 
 def test_concurrency_counts_until_release():

@@ -16,7 +16,7 @@ from tests.server.conftest import Server
 
 pytestmark = pytest.mark.slow  # three processes; the gate's logic is test_security.py's
 
-KEYS = "sk-alice name=alice rpm=2\nsk-bob name=bob\n"
+KEYS = "sk-alice name=alice rpm=2\nsk-bob name=bob\nsk-carol name=carol tpm=40\n"
 ADMIN = "sk-admin-secret"
 
 
@@ -162,3 +162,16 @@ def test_a_10_mb_body_is_413_and_the_server_keeps_serving(secured, pki):
     assert _ask(_client(url, "sk-bob", pki))
     counted = httpx.get(f"{url}/metrics", verify=pki["ca.pem"]).text
     assert 'tandem:api_requests_total{key="bob",outcome="refused_413"} 1.0' in counted
+
+
+def test_a_key_past_its_tokens_per_minute_gets_429_counting_prompt_and_max_tokens(secured, pki):
+    client = _client(secured["server"].url, "sk-carol", pki)
+    model = client.models.list().data[0].id
+    with pytest.raises(openai.RateLimitError, match="more than this key's 40 tokens per minute"):
+        client.completions.create(model=model, prompt="Hello", max_tokens=64)
+    first = client.completions.create(model=model, prompt=[1, 2, 3, 4], max_tokens=16)
+    assert first.usage.prompt_tokens == 4  # 20 of 40 charged
+    client.completions.create(model=model, prompt=[1, 2, 3, 4], max_tokens=16)  # 40 of 40
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.completions.create(model=model, prompt=[1, 2, 3, 4], max_tokens=16)
+    assert int(refused.value.response.headers["Retry-After"]) >= 1
