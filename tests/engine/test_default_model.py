@@ -3,10 +3,13 @@ loading the same GGUF: the first 32 greedy tokens of a chat prompt are identical
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tandem import LLM, SamplingParams
 from tandem.core.model_config import default_model_path
+
+pytestmark = pytest.mark.slow  # the real default model against HF on the same GGUF
 
 
 def test_default_model_first_32_greedy_tokens_equal_hf_on_the_same_gguf():

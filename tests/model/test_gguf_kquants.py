@@ -17,6 +17,8 @@ from tandem import LLM, SamplingParams
 from tandem.core.model_config import default_model_path
 from tandem.model.quant import Int4Linear
 
+pytestmark = pytest.mark.slow  # GGUF K-quant checkpoints built and run
+
 QK = 256  # weights a super-block
 
 

@@ -17,10 +17,13 @@ import pytest
 
 from tandem.model.kernels.build_lock import Owner
 
-pytestmark = pytest.mark.skipif(
-    sys.platform != "linux" or subprocess.run(["which", "c++"], capture_output=True).returncode,
-    reason="needs Linux and a C++ compiler",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        sys.platform != "linux" or subprocess.run(["which", "c++"], capture_output=True).returncode,
+        reason="needs Linux and a C++ compiler",
+    ),
+    pytest.mark.slow,  # real builds, started, killed and raced: 90 s on 2 cores
+]
 
 TINY = """#include <pybind11/pybind11.h>
 int answer() { return 42; }

@@ -218,6 +218,7 @@ def test_gguf_types_without_terms_are_left_to_the_float_path():
 
 
 @pytest.mark.default_model
+@pytest.mark.slow
 def test_the_default_model_runs_on_its_gguf_blocks_and_follows_the_float_path():
     """Same GGUF, float32 both: quantized greedy output equals the dequantized float path's
     for the first 32 tokens of a chat prompt (the residual difference is bf16 activations)."""

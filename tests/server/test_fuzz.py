@@ -12,6 +12,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
+pytestmark = pytest.mark.slow  # schemathesis over every endpoint
+
 CASES_PER_OPERATION = 100  # per mode: ~1100 requests over the 10 operations
 
 
