@@ -17,6 +17,7 @@ key; they see the key's name in `scope["tandem.key"]` at most.
 from __future__ import annotations
 
 import hmac
+import logging
 import math
 import os
 import time
@@ -28,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem.server.errors import APIError, unauthorized
 
+log = logging.getLogger("tandem")
 USER, ADMIN = "user", "admin"
 MAX_REQUEST_BYTES = 4 * 1024 * 1024  # a 128k-token prompt as JSON is ~1 MiB
 
@@ -80,10 +82,13 @@ def parse_limits(spec: str, where: str) -> KeyLimits:
 
 def parse_key_file(text: str, where: str = "api_key_file") -> list[APIKey]:
     """One key a line: `KEY [name=NAME] [role=user|admin] [rpm=N] [tpm=N] [concurrency=N]`; blank
-    lines and # comments skipped. Errors name the line, never the key."""
+    lines and comments (a word starting with #, and what follows) skipped, so a key may hold a
+    # itself. Errors name the line, never the key."""
     keys = []
     for number, line in enumerate(text.splitlines(), 1):
-        words = line.split("#", 1)[0].split()
+        words = line.split()
+        comment = next((i for i, w in enumerate(words) if w.startswith("#")), len(words))
+        words = words[:comment]
         if not words:
             continue
         secret, options = words[0], dict(w.partition("=")[::2] for w in words[1:])
@@ -133,10 +138,13 @@ class KeyRing:
         if api_key_file:
             try:
                 text = open(api_key_file).read()
+                shared = os.stat(api_key_file).st_mode & 0o077
             except OSError as e:
                 raise ValueError(
                     f"api_key_file: cannot read {api_key_file}: {e.strerror}"
                 ) from None
+            if shared:
+                log.warning("%s is readable by other users: chmod 600 it", api_key_file)
             keys += parse_key_file(text)
         if admin_api_key:
             keys.append(APIKey("admin", _bearer(admin_api_key), ADMIN))

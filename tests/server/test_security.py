@@ -30,7 +30,7 @@ from tandem.server.security import (
 
 KEYS = """
 # name and limits per key
-sk-alice name=alice rpm=2
+sk-alice name=alice rpm=2  # a comment after the key
 sk-bob   name=bob concurrency=1
 sk-root  name=ops role=admin
 """
@@ -87,6 +87,19 @@ def test_a_bad_key_file_line_is_named_without_echoing_the_key(line, message):
     with pytest.raises(ValueError, match=message) as e:
         parse_key_file(line)
     assert "sk-x" not in str(e.value)
+
+
+def test_a_key_may_hold_a_hash_sign_and_a_shared_key_file_is_warned_about(tmp_path, caplog):
+    (keys := tmp_path / "keys").write_text("sk-a#b name=hashed\n")
+    keys.chmod(0o644)
+    with caplog.at_level("WARNING", logger="tandem"):
+        ring = KeyRing.from_flags(api_key_file=str(keys))
+    assert ring.identify(b"Bearer sk-a#b").name == "hashed"
+    assert "readable by other users: chmod 600" in caplog.text
+    keys.chmod(0o600)
+    caplog.clear()
+    KeyRing.from_flags(api_key_file=str(keys))
+    assert "readable" not in caplog.text
 
 
 def test_the_same_key_twice_is_refused():

@@ -32,6 +32,7 @@ def pki(tmp_path_factory) -> dict:
     client.private_key_pem.write_to_path(root / "client.key")
     (root / "client.pem").write_bytes(b"".join(b.bytes() for b in client.cert_chain_pems))
     (root / "keys").write_text(KEYS)
+    (root / "keys").chmod(0o600)
     (root / "adapters").mkdir()
     (root / "private").mkdir()
     return {name: str(root / name) for name in
