@@ -19,6 +19,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
     add_security_args(p, "/v1 and /workers (passed on to the workers)")
     p.add_argument("--worker-ca-certs", default=None,
                    help="CA certificates to check https:// workers against (a private CA)")  # fmt: skip
+    p.add_argument("--worker-ssl-certfile", default=None,
+                   help="a client certificate (PEM) for workers that require one (mutual TLS)")  # fmt: skip
+    p.add_argument("--worker-ssl-keyfile", default=None,
+                   help="the private key of --worker-ssl-certfile")  # fmt: skip
     p.add_argument("--stream-timeout", type=float, default=60.0,
                    help="longest silence inside a worker's streamed answer")  # fmt: skip
     p.add_argument("--request-timeout", type=float, default=600.0,
@@ -71,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     setup_logging("router")
     keys, tls = key_ring(args), uvicorn_tls(args)
-    worker_tls = client_tls(args.worker_ca_certs)
+    worker_tls = client_tls(args.worker_ca_certs, args.worker_ssl_certfile, args.worker_ssl_keyfile)
     pd = bool(getattr(args, "prefill", None) or getattr(args, "decode", None))
     client = httpx.AsyncClient(
         verify=worker_tls or True,

@@ -92,13 +92,27 @@ def uvicorn_tls(args: argparse.Namespace) -> dict:
     }
 
 
-def client_tls(ca_certs: str | None, field: str = "worker_ca_certs") -> ssl.SSLContext | None:
-    """The context a front end verifies https:// workers with: the system's CAs, plus
-    `ca_certs` (a private CA) when given."""
-    if not ca_certs:
+def client_tls(
+    ca_certs: str | None, certfile: str | None = None, keyfile: str | None = None
+) -> ssl.SSLContext | None:
+    """The context a front end reaches https:// workers with: the system's CAs plus `ca_certs`
+    (a private CA), and its own certificate for workers that require one; None for defaults."""
+    if not (ca_certs or certfile or keyfile):
         return None
+    if bool(certfile) != bool(keyfile):
+        raise ValueError(
+            "worker_ssl_certfile: give both --worker-ssl-certfile and --worker-ssl-keyfile"
+        )
     context = ssl.create_default_context()
-    _load_ca(context, ca_certs, field)
+    if ca_certs:
+        _load_ca(context, ca_certs, "worker_ca_certs")
+    if certfile:
+        try:
+            context.load_cert_chain(certfile, keyfile)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(
+                f"worker_ssl_certfile: cannot load the certificate and key: {e}"
+            ) from None
     return context
 
 

@@ -319,6 +319,9 @@ def test_tls_flags_become_uvicorns_settings(tmp_path):
     assert client_tls(str(tmp_path / "ca.pem")).verify_mode == ssl.CERT_REQUIRED
     with pytest.raises(ValueError, match="worker_ca_certs: cannot load"):
         client_tls(str(tmp_path / "missing.pem"))
+    with pytest.raises(ValueError, match="worker_ssl_certfile: give both"):
+        client_tls(None, str(tmp_path / "c.pem"))
+    assert client_tls(None, str(tmp_path / "c.pem"), str(tmp_path / "k.pem")) is not None
 
 
 def test_key_flags_and_the_environment_make_one_ring(tmp_path, monkeypatch):

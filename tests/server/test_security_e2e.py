@@ -60,9 +60,15 @@ def secured(llama_path, pki, tmp_path_factory):
     router = FrontEnd(["router", "--worker", server.url, "--worker-ca-certs", pki["ca.pem"],
                        "--api-key-file", pki["keys"], *_tls_args(pki)], logs, "router",
                       tls=verify)  # fmt: skip
+    mtls.wait_ready()
+    mutual_router = FrontEnd(["router", "--worker", mtls.url, "--worker-ca-certs", pki["ca.pem"],
+                              "--worker-ssl-certfile", pki["client.pem"], "--worker-ssl-keyfile",
+                              pki["client.key"]], logs, "mutual-router")  # fmt: skip
     try:
-        yield {"server": server, "router": router.wait_ready(), "mtls": mtls.wait_ready()}
+        yield {"server": server, "router": router.wait_ready(), "mtls": mtls,
+               "mutual_router": mutual_router.wait_ready()}  # fmt: skip
     finally:
+        mutual_router.stop()
         router.stop()
         for s in (server, mtls):
             s.stop()
@@ -100,6 +106,17 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(secured, pki):
     with pytest.raises(httpx.TransportError):  # TLS 1.3: the server hangs up after the handshake
         httpx.get(f"{url}/health", verify=pki["ca.pem"])
     assert _ask(_client(url, "EMPTY", pki, verify=_with_client_cert(pki)))
+
+
+def test_a_router_presents_its_client_certificate_to_workers_that_require_one(secured, pki):
+    front = secured["mutual_router"]
+    reply = httpx.post(f"{front.url}/v1/completions", json={"model": _model(front.url), "prompt": "Hi",
+                       "max_tokens": 3, "temperature": 0}, timeout=60)  # fmt: skip
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"]
+
+
+def _model(url: str) -> str:
+    return httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
 def test_wrong_or_missing_keys_are_401_in_openais_shape(secured, pki):
