@@ -130,9 +130,9 @@ class KVReceiver:
         self.context = context or zmq.Context.instance()
         self.socket = self.context.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.auth = None
+        self.auth = self.peers = None
         if secret_key is not None:
-            self.auth = secure_receiver(self.socket, secret_key, peer_keys)
+            self.auth, self.peers = secure_receiver(self.socket, secret_key, peer_keys)
         self.socket.bind(address)
         self.address = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._progress: dict[str, _Progress] = {}
@@ -196,7 +196,7 @@ class KVReceiver:
     @property
     def num_refused(self) -> int:
         """Senders refused for an unknown key (an authenticated link only)."""
-        return self.auth.peers.refused if self.auth is not None else 0
+        return self.peers.refused if self.peers is not None else 0
 
     def close(self) -> None:
         self.socket.close()

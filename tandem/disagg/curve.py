@@ -66,17 +66,19 @@ class Peers:
         return False
 
 
-def secure_receiver(socket: zmq.Socket, secret_key: str, peer_keys: str) -> ThreadAuthenticator:
-    """Make `socket` (not yet bound) a CURVE server that admits only `peer_keys`' senders."""
+def secure_receiver(
+    socket: zmq.Socket, secret_key: str, peer_keys: str
+) -> tuple[ThreadAuthenticator, Peers]:
+    """Make `socket` (not yet bound) a CURVE server that admits only `peer_keys`' senders:
+    (the authenticator thread, to stop with the socket; the peers, counting refusals)."""
     public, private = _load(secret_key, "kv_secret_key", secret=True)
     peers = Peers(peer_keys)
     auth = ThreadAuthenticator(socket.context, log=logging.getLogger("tandem.kv.auth"))
     auth.start()
     auth.configure_curve_callback(domain="*", credentials_provider=peers)
-    auth.peers = peers
     socket.curve_secretkey, socket.curve_publickey = private, public
     socket.curve_server = True
-    return auth
+    return auth, peers
 
 
 class SenderKeys:

@@ -371,10 +371,6 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replayed
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 def _declared_length(headers: dict[bytes, bytes]) -> int:
     try:
         return int(headers.get(b"content-length", b"0"))
@@ -412,11 +408,11 @@ def charge_tokens(scope: Scope, tokens: int) -> None:
 
 
 def check_allowed_path(path: str, roots: list[str] | None, param: str) -> str:
-    """`path` resolved, if it lies under one of `roots` (any path when no roots are set);
-    else a 403 that reads the same whether the path exists or not."""
-    resolved = os.path.realpath(path)
+    """`path` resolved, if it lies under one of `roots` (any path, as given, when no roots
+    are set); else a 403 that reads the same whether the path exists or not."""
     if roots is None:
-        return resolved
+        return path
+    resolved = os.path.realpath(path)
     for root in roots:
         base = os.path.realpath(root)
         if resolved == base or resolved.startswith(base.rstrip(os.sep) + os.sep):
