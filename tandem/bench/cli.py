@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 
-DATASETS = ["random", "sharegpt", "shared-prefix", "multi-turn", "multi-class", "custom"]
+DATASETS = [
+    "random", "sharegpt", "shared-prefix", "multi-turn", "multi-class", "json-schema", "custom",
+]  # fmt: skip
 
 
 def add_parser(sub) -> None:

@@ -74,7 +74,7 @@ def build_payload(spec: RequestSpec, req: BenchRequest) -> dict:
         payload["priority"] = req.priority
     if spec.send_class:
         payload["slo_class"] = req.cls
-    return payload | spec.extra_body
+    return payload | (req.body or {}) | spec.extra_body
 
 
 def chunk_text(data: dict, chat: bool) -> str | None:

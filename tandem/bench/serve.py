@@ -117,6 +117,8 @@ def build_workload(args, tokenizer, classes: list[RequestClass], seed: int) -> l
     if name == "multi-turn":
         conversations = max(1, n // args.turns)
         return workloads.multi_turn_workload(tokenizer, conversations, args.turns, inp, out, seed)
+    if name == "json-schema":
+        return workloads.json_schema_workload(tokenizer, n, inp, out, seed)
     if name == "multi-class":
         return workloads.multi_class_workload(tokenizer, n, classes, seed)
     if name == "custom":

@@ -40,6 +40,7 @@ class BenchRequest:
     messages: tuple[dict, ...] | None = None  # sent to /v1/chat/completions (else one user turn)
     cls: str = "default"  # SLO class
     priority: int | None = None  # sent as the request's `priority` when set
+    body: dict | None = None  # more fields of the request body (a response_format)
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,36 @@ def _random_request(
         cls=cls.name if cls else "default",
         priority=cls.priority if cls else None,
     )
+
+
+def tool_schemas() -> list[dict]:
+    """100 function-calling tools shaped like real agent tools (nested objects, enums,
+    arrays, optional fields; scripts/make_tool_schemas.py writes them)."""
+    import json
+    from importlib.resources import files
+
+    return json.loads(files("tandem.bench").joinpath("data/tool_schemas.json").read_text())
+
+
+def json_schema_workload(
+    tokenizer, num: int, input_len: LengthRange, output_len: LengthRange, seed: int = 0
+) -> list[Session]:
+    """Requests whose answer must match a tool's parameter schema (response_format
+    json_schema), the tools taken in turn: an agent's structured calls."""
+    rng = random.Random(seed)
+    text = TokenText(tokenizer)
+    tools = tool_schemas()
+    sessions = []
+    for i in range(num):
+        f = tools[i % len(tools)]["function"]
+        ask = f"Answer with the arguments of {f['name']} ({f['description']}) as JSON for: "
+        prompt, ids = text.random(rng, input_len.draw(rng))
+        fmt = {"type": "json_schema", "json_schema": {"name": f["name"], "schema": f["parameters"]}}
+        sessions.append(Session((BenchRequest(
+            prompt=ask + prompt, prompt_len=len(tokenizer.encode(ask + prompt)),
+            output_len=output_len.draw(rng), body={"response_format": fmt},
+        ),)))  # fmt: skip
+    return sessions
 
 
 def shared_prefix_workload(

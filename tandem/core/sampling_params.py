@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 
+from tandem.structured.params import StructuredOutputsParams
+
 # Below this temperature a request is greedy (argmax), as in vLLM.
 GREEDY_EPSILON = 1e-5
 # n parallel samples at most: each is its own sequence, built when the request arrives.
@@ -47,6 +49,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ttft_ms: float | None = None  # this request's time-to-first-token target (SLO scheduling)
     tpot_ms: float | None = None  # and its time-per-output-token target
+    # the output must match a JSON schema, regex, choice or grammar (tandem/structured)
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine: the model's end-of-sequence ids (tokenizer + generation config).
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 

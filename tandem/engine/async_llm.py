@@ -135,6 +135,14 @@ class RequestStream:
         # (child id, future of the prompt tokens the core holds, -1 for no room): the
         # reservations of a request whose prompt KV a prefill instance sends
         self.reservations: list[tuple[str, asyncio.Future]] = []
+        self._first: RequestOutput | None = None  # taken by started(), yielded first
+
+    async def started(self) -> None:
+        """Wait for the first output, raising the request's error if it fails before one
+        (a grammar that does not compile): a streamed response then starts only once there
+        is something to send, so such a failure can still be a 4xx."""
+        if self._first is None and not self.finished:
+            self._first = await self.__anext__()
 
     async def reserved(self) -> list[tuple[str, int]]:
         """(child id, prompt tokens already held here) per sequence, once the core has
@@ -145,6 +153,9 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
         if self.finished:
             raise StopAsyncIteration
         try:

@@ -31,6 +31,7 @@ def build_engine(config: EngineConfig, clock=None):
         cost.switches_kernels_at(loaded.kernel_rows)
     if config.enable_lora:
         loaded.runner.enable_lora(config.max_loras, config.max_lora_rank)
+    loaded.runner.enable_structured_outputs(build_grammar_compiler(config, loaded))
     if config.speculative_config is not None:
         loaded.runner.proposer = build_proposer(config.speculative_config, config, loaded)
     kv = KVCacheManager(loaded.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -67,6 +68,22 @@ def build_engine(config: EngineConfig, clock=None):
         else "off",
     )
     return core, loaded
+
+
+def build_grammar_compiler(config: EngineConfig, loaded):
+    """Structured output's compiler: the tokenizer's vocabulary is prepared for the grammar
+    libraries on a worker thread from now on, so the first request does not wait for it."""
+    from tandem.engine.tokenizer import load_tokenizer
+    from tandem.structured.compiler import GrammarCompiler
+
+    folder = config.tokenizer or loaded.model_path
+    return GrammarCompiler(
+        lambda: load_tokenizer(folder),
+        loaded.model_config.vocab_size,
+        list(loaded.model_config.eos_token_ids),
+        config.structured_outputs_backend,
+        config.structured_outputs_compile_timeout,
+    )
 
 
 def build_proposer(spec, config: EngineConfig, loaded):

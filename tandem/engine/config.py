@@ -169,6 +169,19 @@ class EngineConfig:
     enable_lora: bool = _flag(False, "serve LoRA adapters (PEFT format) beside the base model")
     max_loras: int = _flag(1, "with --enable-lora: most adapters in one step (adapter slots)")
     max_lora_rank: int = _flag(16, "with --enable-lora: the largest adapter rank accepted")
+    structured_outputs_backend: str = _flag(
+        "auto",
+        "the grammar library behind response_format, structured_outputs and tools: xgrammar, "
+        "guidance (llguidance), or auto: xgrammar, and llguidance for a JSON schema with a "
+        "keyword xgrammar does not enforce",
+        choices=("auto", "xgrammar", "guidance"),
+        aliases=("--structured-outputs-config.backend",),
+    )
+    structured_outputs_compile_timeout: float = _flag(
+        5.0,
+        "seconds a request's grammar may take to compile (on a worker thread, never holding up "
+        "other requests); past them the request fails with a 400",
+    )
     kernel_build_timeout: float = _flag(
         300.0,
         "seconds a start may spend building the C++ CPU kernels, all together, or waiting for "
@@ -198,6 +211,12 @@ class EngineConfig:
         self._check_choice("quantization_group_size", INT4_GROUP_SIZES)
         self._check_choice("activation_quantization", ACTIVATION_QUANTIZATIONS)
         self._check_choice("kv_cache_dtype", KV_CACHE_DTYPES)
+        self._check_choice("structured_outputs_backend", ("auto", "xgrammar", "guidance"))
+        if not self.structured_outputs_compile_timeout > 0:
+            raise ValueError(
+                "structured_outputs_compile_timeout must be > 0 (seconds), got "
+                f"{self.structured_outputs_compile_timeout!r}"
+            )
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if not (isinstance(self.block_size, int) and 1 <= self.block_size <= 1024):
@@ -256,16 +275,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if not meta.pop("cli", True):
             continue
         flag = "--" + f.name.replace("_", "-")
+        flags = (flag, *meta.pop("aliases", ()))  # vLLM's other spellings
         help_text = meta.pop("help")
         if "(default" not in help_text:
             help_text += f" (default: {f.default})"
         if isinstance(f.default, bool):
             group.add_argument(
-                flag, default=f.default, action=argparse.BooleanOptionalAction, help=help_text
-            )
+                *flags, dest=f.name, default=f.default,
+                action=argparse.BooleanOptionalAction, help=help_text,
+            )  # fmt: skip
         else:
             meta.setdefault("type", type(f.default))
-            group.add_argument(flag, default=f.default, help=help_text, **meta)
+            group.add_argument(*flags, dest=f.name, default=f.default, help=help_text, **meta)
 
 
 def engine_config_from_args(args: argparse.Namespace, model: str | None) -> EngineConfig:

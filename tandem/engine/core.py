@@ -49,6 +49,10 @@ class EngineCore:
         # none in the simulator, whose steps take no CPU worth counting (and it costs a call)
         self.cpu_clock = cpu_clock
         self.lora_ids: set[int] = set()  # adapters the runner holds
+        # Structured output: a request with a grammar waits here, outside the scheduler,
+        # until a worker thread has compiled it (request, compile future, deadline).
+        self.grammars = getattr(runner, "grammars", None)  # a GrammarCompiler, or None
+        self.compiling: dict[str, tuple[Request, object, float]] = {}
         # TANDEM_STEP_LOG=<path>: every model step appended as a JSON line, [*StepShape fields,
         # start on `clock`, seconds]: how a server's steps ran under load, against a cost
         # model's prediction, and the gaps between them (benchmarks/sim_validation.py)
@@ -59,8 +63,40 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.lora_id and req.lora_id not in self.lora_ids:
             raise ValueError(f"lora: adapter {req.lora_id} is not loaded")
-        self.scheduler.add_request(self._request(req))
+        request = self._request(req)
+        so = request.sampling_params.structured_outputs
+        if so is not None:
+            if self.grammars is None:
+                raise ValueError(f"{so.source}: this engine has no structured output")
+            future = self.grammars.submit(so)  # ValueError: a keyword the backend would drop
+            if not future.done():
+                deadline = self.clock() + self.grammars.timeout
+                self.compiling[request.request_id] = (request, future, deadline)
+                return
+            future.result()  # a grammar that failed before fails again, at once
+        self.scheduler.add_request(request)
         self.stalled = False
+
+    def admit_compiled(self) -> list[tuple[str, str]]:
+        """Hand the requests whose grammars have compiled to the scheduler; -> (request id,
+        why) for those whose compile failed or ran past its deadline."""
+        from tandem.structured.compiler import timeout_message
+
+        refused, now = [], self.clock()
+        for rid, (request, future, deadline) in list(self.compiling.items()):
+            if future.done():
+                del self.compiling[rid]
+                error = future.exception()
+                if error is None:
+                    self.scheduler.add_request(request)
+                    self.stalled = False
+                else:
+                    refused.append((rid, str(error)))
+            elif now > deadline:
+                del self.compiling[rid]
+                so = request.sampling_params.structured_outputs
+                refused.append((rid, timeout_message(so, self.grammars.timeout)))
+        return refused
 
     def _request(self, req: EngineCoreRequest) -> Request:
         params = req.sampling_params
@@ -76,11 +112,13 @@ class EngineCore:
         return request
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.compiling.pop(rid, None)
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         self.stalled = False
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.compiling)
 
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -177,6 +215,9 @@ class EngineCore:
         """Admit a request whose prompt KV another instance sends: how many prompt tokens
         are held here already (send the rest), or None when there is no room."""
         request = self._request(req)
+        so = request.sampling_params.structured_outputs
+        if so is not None and self.grammars is not None:
+            self.grammars.submit(so)  # compiled by the time its KV lands (matchers wait on it)
         num_cached = self.scheduler.reserve(request)
         if num_cached is not None:  # one that found no room changed nothing
             self.stalled = False

@@ -105,12 +105,14 @@ class EngineCoreProc:
                     break
                 handled = self._take_kv() if self.kv is not None else 0
                 handled += self._finish_loads()
+                handled += self._finish_compiles()
                 self._exit_if_orphaned()
         else:
             self._exit_if_orphaned()
         if self.kv is not None:
             handled += self._take_kv()
         handled += self._finish_loads()
+        handled += self._finish_compiles()
         while True:
             try:
                 frames = self.inbox.recv_multipart(zmq.NOBLOCK)
@@ -119,8 +121,19 @@ class EngineCoreProc:
             self._handle(frames)
             handled += 1
 
+    def _finish_compiles(self) -> int:
+        """Admit the requests whose grammars compiled; refuse those that failed."""
+        if not self.core.compiling:
+            return 0
+        before = len(self.core.compiling)
+        refused = self.core.admit_compiled()
+        self.rejected += refused
+        if refused:
+            self._send([])  # a refusal goes out now: its client waits on it alone
+        return before - len(self.core.compiling)
+
     def _wait_ms(self) -> int:
-        if self.loading:  # look again soon: a load may finish
+        if self.loading or self.core.compiling:  # look again soon: a load may finish
             return _LOAD_POLL_MS
         due = self.kv.next_deadline_in() if self.kv is not None else None
         return _IDLE_POLL_MS if due is None else max(1, min(_IDLE_POLL_MS, int(due * 1000) + 1))

@@ -105,6 +105,8 @@ class LLM:
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
         params.check_for_model(self.model_config.vocab_size, self.config.max_logprobs)
         self.engine.scheduler.check_request(len(ids), params.max_tokens)
+        if params.structured_outputs is not None:  # compiled now: a bad grammar fails here
+            self.engine.grammars.compile(params.structured_outputs)
 
     def _run(self, items, use_tqdm: bool) -> list[RequestOutput]:
         order = []

@@ -24,15 +24,22 @@ RESERVED_TEMPLATE_ARGS = frozenset({
 
 
 def apply_chat_template(
-    tokenizer, messages: list[dict], add_generation_prompt: bool = True, **template_vars
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
+    **template_vars,
 ) -> list[int]:
     """Token ids of the conversation under the tokenizer's chat template; template_vars are
-    extra variables of the template (vLLM's chat_template_kwargs)."""
+    extra variables of the template (vLLM's chat_template_kwargs); tools: OpenAI's tool
+    definitions, for a template that renders them."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: the model's tokenizer has no chat template")
     reserved = sorted(set(template_vars) & RESERVED_TEMPLATE_ARGS)
     if reserved:
         raise ValueError(f"chat_template_kwargs: {reserved} are not template variables")
+    if tools:
+        template_vars["tools"] = tools
     ids = tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=True, **template_vars
     )

@@ -120,6 +120,10 @@ class ModelRunner:
         # Guesses the tokens after each row's new ones (speculative decoding); None: no guesses.
         self.proposer = None
         self.lora = None  # a LoRAManager when LoRA is enabled (enable_lora)
+        # Structured output: the grammar compiler the engine admits requests through, and
+        # the per-request matchers that mask the logits (enable_structured_outputs).
+        self.grammars = None
+        self.masks = None
 
     def map_kv_pool(self) -> None:
         """Write zeros over the KV pool (and an 8-bit cache's scales) before anything is cached
@@ -131,6 +135,12 @@ class ModelRunner:
         for pool in (self.kv_cache, self.kv_scales):
             if pool is not None:
                 pool.zero_()
+
+    def enable_structured_outputs(self, compiler) -> None:
+        from tandem.structured.masks import GrammarMasks
+
+        self.grammars = compiler
+        self.masks = GrammarMasks(compiler, self.cfg.vocab_size)
 
     # ---- LoRA adapters ---------------------------------------------------------------
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
@@ -176,10 +186,14 @@ class ModelRunner:
         self.sampler.forget(plan.finished_ids)
         if self.proposer is not None:
             self.proposer.forget(plan.finished_ids)
+        if self.masks is not None:
+            self.masks.forget(plan.finished_ids)
         if plan.is_empty:
             return RunnerOutput()
         inputs = prepare_inputs(plan.scheduled, self.block_size, self.device)
         inputs.attn.on_layer_written = self.on_layer_written
+        # the grammar masks fill on a worker thread while the forward pass runs
+        masks = self.masks.start(inputs.sample_rows) if self.masks is not None else None
         t1 = time.perf_counter()
         lora = self.lora.context(inputs.token_lora_ids) if self.lora else None
         with forward_context(inputs.attn), lora_context(lora):
@@ -189,7 +203,11 @@ class ModelRunner:
         timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": 0.0}
         if not inputs.sample_rows:
             return RunnerOutput(timings=timings)
+        if masks is not None:
+            self.masks.apply(logits, masks)
         sampled, logprobs = self._sample(logits, inputs.sample_rows)
+        if masks is not None:
+            self.masks.accept(sampled)
         timings["sample"] = time.perf_counter() - t2
         drafts = {}
         if self.proposer is not None:

@@ -82,9 +82,12 @@ class Sampler:
         return SampleResult(token_list, logprobs)
 
     def _block_early_stop(self, logits, params, token_ids, num_prompt_tokens):
-        """Before min_tokens outputs, EOS and stop token ids cannot be sampled."""
+        """Before min_tokens outputs, EOS and stop token ids cannot be sampled (except where
+        a grammar rules: once it is complete only EOS may follow, and it decides the end)."""
         rows, cols, vocab = [], [], logits.shape[-1]
         for i, p in enumerate(params):
+            if p.structured_outputs is not None:
+                continue
             if p.min_tokens and len(token_ids[i]) - num_prompt_tokens[i] < p.min_tokens:
                 stops = list(p.stop_token_ids) + ([] if p.ignore_eos else list(p.eos_token_ids))
                 stops = [t for t in stops if t < vocab]  # an id past the vocabulary never comes

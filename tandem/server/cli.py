@@ -99,6 +99,25 @@ def add_parser(sub) -> None:
         help="a JSON or YAML list of SLO classes (name, priority, ttft_ms, tpot_ms, weight, "
         "on_overload: keep|shed|demote) that requests pick with `slo_class`",
     )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let requests send tool_choice "auto" (the default with tools): the model '
+        "decides, and --tool-call-parser reads its calls",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how the model writes tool calls: hermes, llama3_json, mistral, pythonic, or a "
+        "name registered by --tool-parser-plugin",
+    )
+    p.add_argument(
+        "--tool-parser-plugin",
+        default=None,
+        metavar="FILE",
+        help="a Python file that registers tool parsers (@register_tool_parser(NAME) from "
+        "tandem.tool_calls.parsers on a ToolParser subclass)",
+    )
     logging_group = p.add_mutually_exclusive_group()
     logging_group.add_argument(
         "--enable-log-requests", dest="log_requests", action="store_true", default=False,
@@ -117,6 +136,19 @@ def add_parser(sub) -> None:
     add_engine_args(p)
 
 
+def _check_tool_flags(args: argparse.Namespace) -> None:
+    from tandem.tool_calls.parsers import PARSERS, load_plugin
+
+    if args.tool_parser_plugin:
+        load_plugin(args.tool_parser_plugin)
+    if args.tool_call_parser is not None and args.tool_call_parser not in PARSERS:
+        raise ValueError(
+            f"tool_call_parser must be one of {sorted(PARSERS)}, got {args.tool_call_parser!r}"
+        )
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice: needs --tool-call-parser")
+
+
 def run(args: argparse.Namespace) -> int:
     from tandem.engine.config import engine_config_from_args
 
@@ -127,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"max_waiting must be an integer >= 1, got {args.max_waiting}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"shutdown_timeout must be >= 0, got {args.shutdown_timeout}")
+    _check_tool_flags(args)
     setup_logging()
     config = engine_config_from_args(args, model)
     if args.slo_classes is not None:
@@ -238,6 +271,8 @@ async def _serve(args: argparse.Namespace, config, model: str | None, sock) -> i
             sampling_defaults(args.generation_config, engine.model_path),
             args.log_requests,
             args.slo_classes,
+            args.tool_call_parser,
+            args.enable_auto_tool_choice,
         )
         for name, path in parse_lora_modules(args.lora_modules):
             try:

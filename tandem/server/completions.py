@@ -42,6 +42,8 @@ async def create_completion(serving: Serving, request: Request) -> Response:
         job.id, prompts, params_per_prompt, req.priority, req.slo_class, kv, lora_id
     )
     handoff = await serving.reservation(prompts, streams, kv)  # a decode instance's answer
+    if req.stream and params.structured_outputs is not None:
+        await serving.started(streams)  # a grammar that fails to compile is still a 400
     if req.stream:
         return EventStreamResponse(job.events(streams), streams, handoff)
     if handoff is not None:

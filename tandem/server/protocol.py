@@ -3,19 +3,30 @@
 A wrong type is a 400 naming the field; ranges are checked by SamplingParams, whose errors
 name the field too. Every integer is bounded to 64 bits and every string must be valid
 Unicode (no lone surrogates) before anything else looks at the body. Unknown fields are
-ignored, as OpenAI clients send a few we do not use; fields of features we do not have
-(tools, structured output) are refused by name, so a client learns at once.
+ignored, as OpenAI clients send a few we do not use.
+
+Structured output comes by OpenAI's `response_format`, vLLM's `structured_outputs` or its
+older `guided_*` fields (one of them a request); tools by `tools` and `tool_choice`.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    WithJsonSchema,
+)
 
 from tandem.core.sampling_params import INT64_MAX, SamplingParams
 from tandem.server.errors import bad_request
+from tandem.structured.params import StructuredOutputsParams, check_schema
 
 
 def _integral(value):
@@ -71,6 +82,32 @@ class KVTransferField(_Model):
     requests: list[KVTransferRequest] | None = None
 
 
+class JSONSchemaFormat(_Model):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Model):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+
+
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 class _SamplingRequest(_Model):
     """Fields both completion endpoints share."""
 
@@ -98,10 +135,50 @@ class _SamplingRequest(_Model):
     tpot_ms: float | None = None
     user: str | None = None
     kv_transfer_params: KVTransferField | None = None  # prefill/decode disaggregation
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    _structured: StructuredOutputsParams | None = PrivateAttr(None)
 
     def check(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options: only allowed when stream is true", "stream_options")
+        self._structured = self._structured_params()
+
+    @property
+    def structured(self) -> StructuredOutputsParams | None:
+        return self._structured
+
+    def _structured_params(self) -> StructuredOutputsParams | None:
+        """The grammar the output must match, from whichever field the client used."""
+        rf = self.response_format
+        given = [n for n in ("structured_outputs", *_GUIDED) if getattr(self, n) is not None]
+        if rf is not None and rf.type != "text":
+            given.insert(0, "response_format")
+        if not given:
+            return None
+        if len(given) > 1:
+            raise bad_request(f"{given[1]}: give one way of structuring output, got {given}",
+                              given[1])  # fmt: skip
+        field = given[0]
+        try:
+            if field == "response_format":
+                if rf.type == "json_object":
+                    return StructuredOutputsParams(json_object=True, source=field)
+                if rf.json_schema is None or rf.json_schema.schema_ is None:
+                    raise ValueError("response_format.json_schema.schema: field required")
+                return StructuredOutputsParams(json=rf.json_schema.schema_, source=field)
+            if field == "structured_outputs":
+                so = self.structured_outputs.model_dump(exclude_none=True)
+                so = {k.rstrip("_"): v for k, v in so.items()}
+                return StructuredOutputsParams(**so, source=field)
+            kind = field.removeprefix("guided_")
+            return StructuredOutputsParams(**{kind: getattr(self, field)}, source=field)
+        except ValueError as e:
+            raise bad_request(str(e), field) from None
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, defaults: dict | None = None
@@ -129,6 +206,7 @@ class _SamplingRequest(_Model):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 ttft_ms=self.ttft_ms,
                 tpot_ms=self.tpot_ms,
+                structured_outputs=self.structured,
             )
         except ValueError as e:
             raise bad_request(str(e)) from None
@@ -200,6 +278,27 @@ class ChatMessage(BaseModel):
         return message
 
 
+class FunctionField(_Model):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolField(_Model):
+    type: Literal["function"]
+    function: FunctionField
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int64 | None = None
@@ -208,27 +307,59 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    # Features tandem does not have yet: accepted by name only to be refused.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: Any = None
+    tools: list[ToolField] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         super().check()
-        if self.tools:
-            raise bad_request("tools: tool calling is not supported by this server", "tools")
-        if self.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice: tool calling is not supported", "tool_choice")
-        if self.response_format not in (None, {"type": "text"}):
-            raise bad_request(
-                "response_format: structured output is not supported; only {'type': 'text'}",
-                "response_format",
-            )
+        self._check_tools()
         if self.top_logprobs is not None:
             if self.top_logprobs < 0:
                 raise bad_request(f"top_logprobs must be an integer >= 0, got {self.top_logprobs}")
             if not self.logprobs:
                 raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
+
+    def _check_tools(self) -> None:
+        for i, tool in enumerate(self.tools or []):
+            if tool.function.parameters is not None:
+                try:
+                    check_schema(tool.function.parameters, f"tools[{i}].function.parameters")
+                except ValueError as e:
+                    raise bad_request(str(e), "tools") from None
+        choice = self.tool_choice
+        if choice is None or choice == "none":
+            return
+        if not self.tools:
+            raise bad_request(f"tool_choice: {self.tool_choice_name} needs tools", "tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in [t.function.name for t in self.tools]:
+                raise bad_request(
+                    f"tool_choice: no tool named {choice.function.name!r} in tools", "tool_choice"
+                )
+        if choice != "auto" and self.structured is not None:
+            raise bad_request(
+                f"tool_choice: {self.tool_choice_name} constrains the output already; "
+                f"drop {self.structured.source}",
+                "tool_choice",
+            )
+        if self.stream and self.n > 1:
+            raise bad_request("n: streamed tool calls are one choice a request (n = 1)", "n")
+
+    @property
+    def effective_tool_choice(self):
+        """ "none" | "auto" | "required" | {"type": "function", ...}: OpenAI's default is
+        auto when there are tools."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.model_dump()
+        return self.tool_choice
+
+    @property
+    def tool_choice_name(self) -> str:
+        choice = self.tool_choice
+        return repr(choice.function.name) if isinstance(choice, NamedToolChoice) else repr(choice)
 
     @property
     def max_output_tokens(self) -> int | None:

@@ -48,6 +48,8 @@ class Serving:
         sampling_defaults: dict | None = None,
         log_requests: bool = False,
         slo_classes: dict[str, SLOClass] | None = None,
+        tool_call_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
     ) -> None:
         self.engine = engine
         self.loras = LoRARegistry(engine, engine.config.enable_lora)
@@ -60,6 +62,21 @@ class Serving:
         self.slo_classes = slo_classes or {}
         self.default_slo = default_class(self.slo_classes)
         self.created = int(time.time())  # the model's, in /v1/models
+        # tool_choice "auto": the parser that reads calls out of the model's text
+        self.tool_call_parser = tool_call_parser
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+
+    def auto_tool_parser(self):
+        """The parser for tool_choice "auto" (400 when the server was not started for it)."""
+        from tandem.tool_calls.parsers import PARSERS
+
+        if not (self.enable_auto_tool_choice and self.tool_call_parser):
+            raise bad_request(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                'to be set (or send tool_choice "none", "required" or a named function)',
+                "tool_choice",
+            )
+        return PARSERS[self.tool_call_parser]()
 
     def slo(self, name: str | None, priority: int | None) -> tuple[SLOClass, int]:
         """The request's class (by name, else the default) and its priority (its own, else
@@ -197,6 +214,19 @@ class Serving:
                 s.close()
             raise bad_request(str(e)) from None
         return streams
+
+    @staticmethod
+    async def started(streams: list[RequestStream]) -> None:
+        """Wait until each stream has output (or raise its error): for requests that can
+        still be refused by the core (a grammar that does not compile) before a stream
+        response commits to status 200."""
+        try:
+            for s in streams:
+                await s.started()
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
 
     async def reservation(
         self, prompts: list[Prompt], streams: list[RequestStream], kv: KVTransferField | None

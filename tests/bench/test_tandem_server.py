@@ -9,7 +9,12 @@ import pytest
 from tandem.bench.client import RequestSpec
 from tandem.bench.runner import RunConfig, run_workload
 from tandem.bench.servers import tandem_server
-from tandem.bench.workloads import LengthRange, multi_turn_workload, random_workload
+from tandem.bench.workloads import (
+    LengthRange,
+    json_schema_workload,
+    multi_turn_workload,
+    random_workload,
+)
 from tests.server.conftest import free_port
 
 pytest.importorskip("tandem.server.cli")
@@ -69,3 +74,22 @@ def test_chat_multi_turn_run_completes(server, tok):
     run = bench(server, sessions, chat=True, max_concurrency=2)
     assert len(run.results) == 6
     assert all(r.success for r in run.results), [r.error for r in run.results]
+
+
+def test_json_schema_workload_answers_match_the_tools_schemas(server, tok):
+    """--dataset-name json-schema: each request carries a tool's schema as response_format."""
+    import json
+
+    import jsonschema
+
+    sessions = json_schema_workload(tok, 6, LengthRange(8, 16), LengthRange(200, 200), seed=0)
+    spec = RequestSpec(url=server.base_url + "/v1/chat/completions", model="tiny", chat=True)
+    run = asyncio.run(run_workload(sessions, spec, RunConfig(progress=False, max_concurrency=3)))
+    assert all(r.success for r in run.results), [r.error for r in run.results]
+    finished = 0
+    for session, r in zip(sessions, run.results):  # results come in the order sent
+        fmt = session.requests[0].body["response_format"]["json_schema"]
+        if r.output_len < 200:  # ended by the grammar, not cut at max_tokens
+            jsonschema.validate(json.loads(r.generated_text), fmt["schema"])
+            finished += 1
+    assert finished

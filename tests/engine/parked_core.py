@@ -21,6 +21,7 @@ class ParkedCore:
     def __init__(self) -> None:
         self.stalled = False
         self.steps = 0
+        self.compiling = {}  # no request waits for a grammar
 
     def has_unfinished(self) -> bool:
         return True

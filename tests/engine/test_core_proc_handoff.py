@@ -38,6 +38,7 @@ class BusyCore:
     stalled = False
 
     def __init__(self) -> None:
+        self.compiling = {}  # no request waits for a grammar
         self.proc: EngineCoreProc | None = None
         self.sent_before_step: list[CoreOutputs] | None = None
 

@@ -196,6 +196,10 @@ def _launched(request, llama_path, tmp_path_factory):
     if "spec_server" in wanted:  # n-gram speculative decoding
         spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
         servers["spec"] = Server(llama_path, ["--speculative-config", spec], logs, "spec")
+    if "tools_server" in wanted:
+        servers["tools"] = Server(
+            llama_path, ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], logs, "tools"
+        )
     if "draining_server" in wanted:
         servers["draining"] = Server(llama_path, ["--shutdown-timeout", "120"], logs, "draining")
     yield servers
@@ -227,6 +231,12 @@ def fuzz_server(_launched) -> Server:
 def spec_server(_launched) -> Server:
     """--speculative-config with n-gram lookup, 4 tokens a draft."""
     return _launched["spec"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def tools_server(_launched) -> Server:
+    """--enable-auto-tool-choice --tool-call-parser hermes."""
+    return _launched["tools"].wait_ready()
 
 
 @pytest.fixture(scope="session")

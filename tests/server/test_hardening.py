@@ -12,6 +12,7 @@ from tests.server.test_errors import assert_error
 
 CHAT = [{"role": "user", "content": "hi"}]
 BIG = 2**70  # past 64 bits
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 @pytest.mark.parametrize(
@@ -37,11 +38,30 @@ BIG = 2**70  # past 64 bits
         ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs":
          {"return_tensors": "pt"}}, "chat_template_kwargs", "return_tensors"),
         ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools",
-         "not supported"),
+         "field required"),
         ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "auto"}, "tool_choice",
-         "not supported"),
-        ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}},
-         "response_format", "not supported"),
+         "needs tools"),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": [TOOL]}, "tool_choice",
+         "--enable-auto-tool-choice"),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": [TOOL], "tool_choice":
+         {"type": "function", "function": {"name": "g"}}}, "tool_choice", "no tool named 'g'"),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": [TOOL], "tool_choice": "required",
+         "stream": True, "n": 2}, "n", "n = 1"),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": [TOOL], "tool_choice": "required",
+         "guided_regex": "a"}, "tool_choice", "drop guided_regex"),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function":
+         {"name": "f", "parameters": {"type": 5}}}]}, "tools", "invalid JSON schema"),
+        ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}},
+         "response_format", "schema: field required"),
+        ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}},
+         "response_format", "json_schema"),
+        ("/v1/completions", {"prompt": "hi", "guided_json": {"type": "strnig"}}, "guided_json",
+         "invalid JSON schema"),
+        ("/v1/completions", {"prompt": "hi", "guided_choice": []}, "guided_choice", "non-empty"),
+        ("/v1/completions", {"prompt": "hi", "guided_choice": ["a"], "guided_regex": "a"},
+         "guided_choice", "one way"),
+        ("/v1/completions", {"prompt": "hi", "structured_outputs": {}}, "structured_outputs",
+         "exactly one"),
         ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21},
          "top_logprobs", "max_logprobs"),
         ("/detokenize", {"tokens": [BIG]}, "tokens", "less"),

@@ -10,6 +10,7 @@ from tandem.model.kernels.build import (
     paged_decode_attention,
     prebuild,
     prefill_attention,
+    token_bitmask,
     vec_lanes,
 )
 
@@ -21,5 +22,6 @@ __all__ = [
     "paged_decode_attention",
     "prebuild",
     "prefill_attention",
+    "token_bitmask",
     "vec_lanes",
 ]

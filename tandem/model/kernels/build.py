@@ -30,6 +30,7 @@ LORA_SOURCE = Path(__file__).with_name("lora_bgmv.cpp")
 DEQUANT_SOURCE = Path(__file__).with_name("dequant.cpp")
 FUSED_SOURCE = Path(__file__).with_name("fused.cpp")
 PREFILL_SOURCE = Path(__file__).with_name("prefill_attention.cpp")
+BITMASK_SOURCE = Path(__file__).with_name("token_bitmask.cpp")
 
 
 def enabled() -> bool:
@@ -83,12 +84,23 @@ def prefill_attention():
     return module.prefill_attention if module is not None and module.available() else None
 
 
+def token_bitmask():
+    """`(logits, bitmask, rows) -> None`: grammar masks applied to float32 logits in place
+    (see token_bitmask.cpp), or None: use the torch path."""
+    if not enabled():
+        return None
+    module = _load(BITMASK_SOURCE, "tandem_token_bitmask", "the C++ token bitmask kernel")
+    return None if module is None else module.apply_token_bitmask_
+
+
 def prebuild() -> None:
     """Build (or load) every kernel now, in parallel: a first start on a 2-core machine then
     compiles in about half the time it takes one after the other."""
     if not enabled() or platform.machine().lower() not in ("x86_64", "amd64"):
         return
-    loaders = (paged_decode_attention, lora_bgmv, dequant, fused, prefill_attention)
+    loaders = (
+        paged_decode_attention, lora_bgmv, dequant, fused, prefill_attention, token_bitmask,
+    )  # fmt: skip
     with ThreadPoolExecutor(max_workers=len(loaders)) as pool:
         list(pool.map(lambda load: load(), loaders))
 

@@ -1,0 +1,139 @@
+"""GrammarCompiler: compiles requests' grammars on worker threads, never on the step loop.
+
+The tokenizer's vocabulary is prepared for the backends once, at start, on a worker thread
+(so a server is ready as soon as its model is). Compiled grammars are cached by (backend,
+kind, canonical spec): the schema an agent sends on every call compiles once. A compile
+past `timeout` seconds fails its request, while the compile itself runs on, for nothing
+can stop a native compile midway; other requests' compiles go on beside it on the other
+worker threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from tandem.structured.params import StructuredOutputsParams
+
+log = logging.getLogger("tandem")
+CACHE_SIZE = 1024  # compiled grammars kept (the least recently used go first)
+
+
+@dataclass
+class CompiledGrammar:
+    backend: object  # the backend that compiled it, which makes its matchers
+    grammar: object
+    seconds: float  # how long the compile took
+
+
+class GrammarCompiler:
+    def __init__(
+        self,
+        tokenizer_loader,  # () -> a transformers tokenizer; called once, on a worker thread
+        vocab_size: int,
+        stop_token_ids: list[int],
+        backend: str = "auto",
+        timeout: float = 5.0,
+        threads: int = 2,
+    ) -> None:
+        self.vocab_size, self.stop_token_ids = vocab_size, list(stop_token_ids)
+        self.configured, self.timeout = backend, timeout
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
+        self._lock = threading.Lock()  # the cache
+        self._backend_lock = threading.Lock()
+        self._backends: dict[str, object] = {}
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        _import_libraries()
+        self._tokenizer = self.pool.submit(self._prepare, tokenizer_loader)
+
+    def _prepare(self, tokenizer_loader):
+        t0 = time.perf_counter()
+        tokenizer = tokenizer_loader()
+        names = ["xgrammar", "guidance"] if self.configured == "auto" else [self.configured]
+        for name in names:
+            self._backend(name, tokenizer)
+        log.debug("structured output: %s ready in %.2f s", names, time.perf_counter() - t0)
+        return tokenizer
+
+    def _backend(self, name: str, tokenizer=None):
+        from tandem.structured.backends import BACKEND_CLASSES
+
+        if tokenizer is None:
+            tokenizer = self._tokenizer.result()  # never under the lock: _prepare takes it
+        with self._backend_lock:
+            backend = self._backends.get(name)
+            if backend is None:
+                backend = BACKEND_CLASSES[name](tokenizer, self.vocab_size, self.stop_token_ids)
+                self._backends[name] = backend
+            return backend
+
+    def submit(self, so: StructuredOutputsParams) -> Future:
+        """The compiled grammar of `so`, as a future (done at once on a cache hit). Raises
+        ValueError at once for what needs no compile to refuse (a keyword the configured
+        backend would drop)."""
+        name = so.backend(self.configured)
+        key = (name, *so.spec())
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                return future
+            future = self.pool.submit(self._compile, name, so)
+            self._cache[key] = future
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return future
+
+    def _compile(self, name: str, so: StructuredOutputsParams) -> CompiledGrammar:
+        backend = self._backend(name)
+        t0 = time.perf_counter()
+        try:
+            grammar = backend.compile(so)
+        except Exception as e:
+            text = str(e).strip()
+            # xgrammar prefixes its errors with "[hh:mm:ss] /source/file.cc:NN: "
+            message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text.splitlines()[0]) if text else ""
+            message = message or type(e).__name__
+            if not message.startswith(f"{so.source}:"):
+                message = f"{so.source}: the {so.kind} does not compile ({name}): {message}"
+            raise ValueError(message[:500]) from None
+        return CompiledGrammar(backend, grammar, time.perf_counter() - t0)
+
+    def compile(self, so: StructuredOutputsParams) -> CompiledGrammar:
+        """Compile now (waiting at most `timeout`): ValueError naming the field if it fails."""
+        future = self.submit(so)
+        try:
+            return future.result(timeout=self.timeout)
+        except TimeoutError:
+            raise ValueError(timeout_message(so, self.timeout)) from None
+
+    def matcher(self, so: StructuredOutputsParams):
+        """A fresh matcher of a grammar already compiled (the engine admits a request only
+        then)."""
+        compiled = self.submit(so).result()
+        return compiled.backend.matcher(compiled.grammar)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _import_libraries() -> None:
+    """Import the grammar libraries (and the transformers names they import) on the calling
+    thread: transformers resolves its names lazily, and two threads doing that at once can
+    fail ("cannot import name 'PreTrainedTokenizerBase'")."""
+    import llguidance.hf  # noqa: F401
+    import llguidance.torch  # noqa: F401
+    import xgrammar  # noqa: F401
+    from transformers import AutoTokenizer, PreTrainedTokenizerBase  # noqa: F401
+
+
+def timeout_message(so: StructuredOutputsParams, timeout: float) -> str:
+    return (
+        f"{so.source}: the {so.kind} did not compile within {timeout:g} s "
+        "(--structured-outputs-compile-timeout)"
+    )
