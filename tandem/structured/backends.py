@@ -58,7 +58,16 @@ class XGrammarBackend:
             return c.compile_grammar(choice_grammar(so.choice))
         if kind == "grammar":
             return c.compile_grammar(so.grammar)
-        return c.compile_structural_tag(json.dumps(so.structural_tag))
+        tag = so.structural_tag
+        if "structures" in tag:  # vLLM's form: {"structures": [{begin, schema, end}], triggers}
+            items = [
+                self.xgr.StructuralTagItem(
+                    begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"]
+                )
+                for s in tag["structures"]
+            ]
+            return c.compile_structural_tag(items, tag.get("triggers", []))
+        return c.compile_structural_tag(json.dumps(tag))  # xgrammar's: {"type", "format"}
 
     def matcher(self, grammar) -> Matcher:
         return _XGrammarMatcher(self.xgr.GrammarMatcher(grammar, max_rollback_tokens=MAX_ROLLBACK))

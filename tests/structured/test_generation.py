@@ -167,3 +167,17 @@ def test_a_request_waits_for_its_grammar_outside_the_scheduler(llm):
 def test_min_tokens_does_not_hold_back_the_end_of_a_complete_grammar(llm):
     (out,) = run(llm, S(choice=["yes", "no"]), n_prompts=1, min_tokens=20, temperature=0)
     assert out.text in ("yes", "no") and out.finish_reason == "stop"
+
+
+def test_structural_tags_in_xgrammars_form_and_vllms(llm):
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+              "additionalProperties": False}  # fmt: skip
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<f>", "content":
+           {"type": "json_schema", "json_schema": schema}, "end": "</f>"}}  # fmt: skip
+    for out in run(llm, S(structural_tag=tag), temperature=1.0, seed=4):
+        inside = re.fullmatch(r"<f>(.*)</f>", out.text, re.S)  # any JSON whitespace inside
+        assert inside and json.loads(inside[1]) in ({"a": "x"}, {"a": "y"}), out.text
+    vllm_form = {"structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}],
+                 "triggers": ["<f>"]}  # fmt: skip
+    (out,) = run(llm, S(structural_tag=vllm_form), n_prompts=1, max_tokens=8)
+    assert out.finish_reason == "length"  # free text until the model writes the trigger
