@@ -33,6 +33,7 @@ ROWS = {
     "llamacpp-c16": "Served vs llama-server `--parallel 16`, 16 concurrent: output tok/s",
     "router-overhead": "Router: p50 latency it adds to a one-token request (model worker)",
     "slo-attainment": "SLO scheduling at saturation: interactive requests within TTFT and TPOT",
+    "structured-output-c64": "JSON-schema output vs the same tokens unconstrained, 64 concurrent: tok/s",
     "prefix-cache-ttft": "Prefix cache on vs off, 1,024 shared prompt tokens: mean TTFT",
 }
 # CPU kinds as columns, in this order (others after them, by name).

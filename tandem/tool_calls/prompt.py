@@ -47,6 +47,7 @@ def required_schema(tools: list[dict], parallel: bool) -> dict:
             "type": "object",
             "properties": {"name": {"const": f["name"]}, "parameters": params},
             "required": ["name", "parameters"],
+            "additionalProperties": False,
         })  # fmt: skip
     schema = {"type": "array", "items": {"anyOf": choices}, "minItems": 1}
     if not parallel:
