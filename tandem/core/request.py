@@ -77,6 +77,9 @@ class Request:
         # all_token_ids until verified.
         self.draft_token_ids: list[int] = []
         self.lora_id = 0  # the LoRA adapter it runs with (0: the base model)
+        # Its compiled grammar (structured output; opaque here), held from admission so
+        # the runner makes its matcher from it whatever the compile cache has dropped.
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:

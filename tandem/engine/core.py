@@ -73,7 +73,7 @@ class EngineCore:
                 deadline = self.clock() + self.grammars.timeout
                 self.compiling[request.request_id] = (request, future, deadline)
                 return
-            future.result()  # a grammar that failed before fails again, at once
+            request.grammar = future.result()  # one that failed before fails at once
         self.scheduler.add_request(request)
         self.stalled = False
 
@@ -88,6 +88,7 @@ class EngineCore:
                 del self.compiling[rid]
                 error = future.exception()
                 if error is None:
+                    request.grammar = future.result()
                     self.scheduler.add_request(request)
                     self.stalled = False
                 else:

@@ -21,7 +21,10 @@ from dataclasses import dataclass
 from tandem.structured.params import StructuredOutputsParams
 
 log = logging.getLogger("tandem")
-CACHE_SIZE = 1024  # compiled grammars kept (the least recently used go first)
+# Compiled grammars kept, the least recently used going first: at most this many, and at
+# most this many bytes (an xgrammar grammar for a 49,152-token vocabulary is 25 KB to 1 MB).
+CACHE_SIZE = 1024
+CACHE_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -29,6 +32,11 @@ class CompiledGrammar:
     backend: object  # the backend that compiled it, which makes its matchers
     grammar: object
     seconds: float  # how long the compile took
+
+    @property
+    def nbytes(self) -> int:
+        size = getattr(self.grammar, "memory_size_bytes", None)  # xgrammar's
+        return size if size is not None else len(str(self.grammar))  # llguidance's: its text
 
 
 class GrammarCompiler:
@@ -48,6 +56,8 @@ class GrammarCompiler:
         self._backend_lock = threading.Lock()
         self._backends: dict[str, object] = {}
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._sizes: dict[tuple, int] = {}  # bytes of each compiled grammar in the cache
+        self._cached_bytes = 0
         _import_libraries()
         self._tokenizer = self.pool.submit(self._prepare, tokenizer_loader)
 
@@ -85,9 +95,27 @@ class GrammarCompiler:
                 return future
             future = self.pool.submit(self._compile, name, so)
             self._cache[key] = future
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-            return future
+            self._evict()
+        future.add_done_callback(lambda f: self._account(key, f))
+        return future
+
+    def _account(self, key: tuple, future: Future) -> None:
+        if future.cancelled():  # closed before it ran
+            return
+        size = future.result().nbytes if future.exception() is None else 0
+        with self._lock:
+            if self._cache.get(key) is future:
+                self._sizes[key] = size
+                self._cached_bytes += size
+                self._evict()
+
+    def _evict(self) -> None:
+        """Drop the least recently used past the count or the bytes (under the lock)."""
+        while len(self._cache) > 1 and (
+            len(self._cache) > CACHE_SIZE or self._cached_bytes > CACHE_BYTES
+        ):
+            key, _ = self._cache.popitem(last=False)
+            self._cached_bytes -= self._sizes.pop(key, 0)
 
     def _compile(self, name: str, so: StructuredOutputsParams) -> CompiledGrammar:
         backend = self._backend(name)

@@ -57,7 +57,10 @@ class GrammarMasks:
         return self.pool.submit(self._fill, plan, offset)
 
     def _new_matcher(self, request):
-        matcher = self.compiler.matcher(request.sampling_params.structured_outputs)
+        compiled = request.grammar  # set at admission; a reserved request (PD) compiles now
+        if compiled is None:
+            compiled = self.compiler.submit(request.sampling_params.structured_outputs).result()
+        matcher = compiled.backend.matcher(compiled.grammar)
         for token in request.all_token_ids[request.num_prompt_tokens :]:
             matcher.accept(token)
         return matcher

@@ -139,3 +139,22 @@ def test_the_cpp_mask_kernel_equals_xgrammars_on_the_rows_it_is_given():
         xgr.apply_token_bitmask_inplace(theirs, bitmask, indices=rows)
         assert torch.equal(ours, theirs)
         assert torch.equal(ours[[2, 4]], logits[[2, 4]])  # rows not named are untouched
+
+
+def test_the_cache_drops_the_least_recently_used_past_its_byte_budget(tok, monkeypatch):
+    from tandem.structured import compiler as compiler_module
+
+    c = GrammarCompiler(lambda: tok, len(tok), [tok.eos_token_id])
+    try:
+        first = c.submit(S(regex="[0-9]{3}"))
+        first.result(timeout=30)
+        assert c.submit(S(regex="[0-9]{3}")) is first  # kept while within budget
+        monkeypatch.setattr(compiler_module, "CACHE_BYTES", first.result().nbytes + 1)
+        second = c.submit(S(regex="[a-z]{3}"))
+        second.result(timeout=30)
+        deadline = time.monotonic() + 10  # sizes are counted by a callback on the worker
+        while first in c._cache.values() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.submit(S(regex="[0-9]{3}")) is not first  # evicted: compiled anew
+    finally:
+        c.close()
