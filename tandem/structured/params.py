@@ -2,9 +2,10 @@
 
 Exactly one of json (a JSON schema), regex, choice, grammar (EBNF / GBNF), json_object
 (any JSON object) or structural_tag. Checked at construction without torch or a backend:
-a schema must be a valid JSON Schema (jsonschema's own check), a choice list non-empty.
-What only a backend can check (a regex's syntax, a grammar's) fails its compile, which the
-engine reports as a 400 naming the field the client used (`source`).
+a schema must be a valid JSON Schema (jsonschema's own check), a regex one Python's `re`
+compiles, a choice list non-empty. What only a backend can check (a grammar; a regex in a
+construct xgrammar lacks, such as a lookaround) fails its compile, which the engine reports
+as a 400 naming the field the client used (`source`).
 
 Which backend compiles it: xgrammar is the fastest, but ignores JSON Schema keywords it
 does not implement; llguidance refuses those it does not implement by name. So under
@@ -15,6 +16,7 @@ llguidance, and a keyword neither enforces is an error, never silently dropped.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 BACKENDS = ("auto", "xgrammar", "guidance")
@@ -86,6 +88,11 @@ class StructuredOutputsParams:
                 self.source,
                 f"{name} must be a non-empty string",
             )
+        if self.regex is not None:  # most bad regexes stop here, before the engine
+            try:
+                re.compile(self.regex)
+            except re.error as e:
+                raise ValueError(f"{self.source}: invalid regex: {e}") from None
         if isinstance(self.structural_tag, str):
             try:
                 self.structural_tag = json.loads(self.structural_tag)

@@ -58,6 +58,8 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
         ("/v1/completions", {"prompt": "hi", "guided_json": {"type": "strnig"}}, "guided_json",
          "invalid JSON schema"),
         ("/v1/completions", {"prompt": "hi", "guided_choice": []}, "guided_choice", "non-empty"),
+        ("/v1/completions", {"prompt": "hi", "guided_regex": "(unclosed"}, "guided_regex",
+         "invalid regex"),
         ("/v1/completions", {"prompt": "hi", "guided_choice": ["a"], "guided_regex": "a"},
          "guided_choice", "one way"),
         ("/v1/completions", {"prompt": "hi", "structured_outputs": {}}, "structured_outputs",

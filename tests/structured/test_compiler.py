@@ -52,7 +52,7 @@ def test_a_spec_compiles_once_and_later_requests_hit_the_cache(compiler):
 
 def test_a_compile_error_names_the_field_without_the_librarys_source_location(compiler):
     with pytest.raises(ValueError) as e:
-        compiler.compile(S(regex="(unclosed", source="guided_regex"))
+        compiler.compile(S(regex="a(?=b)", source="guided_regex"))  # no lookaheads
     assert str(e.value).startswith("guided_regex: the regex does not compile (xgrammar): ")
     assert ".cc:" not in str(e.value)
     with pytest.raises(ValueError, match=r'response_format: .*guidance.*\["not"\]'):

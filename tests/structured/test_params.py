@@ -30,6 +30,8 @@ def test_errors_name_the_field_the_client_used():
         S(json="{not json")
     with pytest.raises(ValueError, match="regex must be a non-empty string"):
         S(regex="")
+    with pytest.raises(ValueError, match=r"^guided_regex: invalid regex: missing \)"):
+        S(regex="(unclosed", source="guided_regex")
 
 
 def test_a_schema_given_as_text_is_parsed_and_keys_order_does_not_change_the_cache_key():
