@@ -55,7 +55,7 @@ def bench_compile(folder: Path, tools: list[dict]) -> None:
     cfg = json.loads((folder / "config.json").read_text())
     vocab = cfg["vocab_size"]
     compiler = GrammarCompiler(lambda: tok, vocab, [tok.eos_token_id])
-    compiler._tokenizer.result()  # the vocabulary prepared, as at a server's start
+    compiler.prepare().result()  # the vocabulary prepared, as at a server's start
     bitmask = xgr.allocate_token_bitmask(1, vocab)
     cold, hit, backends = [], [], {}
     for t in tools:

@@ -293,7 +293,10 @@ def _config(config: dict):
 def _build_core(config):
     from tandem.engine.builder import build_engine
 
-    return build_engine(config)
+    core, loaded = build_engine(config)
+    if core.grammars is not None:
+        core.grammars.prepare()  # the vocabulary for grammars, while the server starts
+    return core, loaded
 
 
 def _role(core, loaded, config):

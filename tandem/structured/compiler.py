@@ -1,7 +1,8 @@
 """GrammarCompiler: compiles requests' grammars on worker threads, never on the step loop.
 
-The tokenizer's vocabulary is prepared for the backends once, at start, on a worker thread
-(so a server is ready as soon as its model is). Compiled grammars are cached by (backend,
+The tokenizer's vocabulary is prepared for the backends once, on a worker thread: at start
+in a server (`prepare()`, so it is ready as soon as its model is), at the first structured
+request offline. Compiled grammars are cached by (backend,
 kind, canonical spec): the schema an agent sends on every call compiles once. A compile
 past `timeout` seconds fails its request, while the compile itself runs on, for nothing
 can stop a native compile midway; other requests' compiles go on beside it on the other
@@ -59,7 +60,16 @@ class GrammarCompiler:
         self._sizes: dict[tuple, int] = {}  # bytes of each compiled grammar in the cache
         self._cached_bytes = 0
         _import_libraries()
-        self._tokenizer = self.pool.submit(self._prepare, tokenizer_loader)
+        self._loader, self._tokenizer = tokenizer_loader, None
+
+    def prepare(self) -> Future:
+        """Prepare the tokenizer's vocabulary for the backends on a worker thread (once): a
+        server does it at start, so its first structured request does not wait for it; the
+        offline engine, at its first structured request."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = self.pool.submit(self._prepare, self._loader)
+            return self._tokenizer
 
     def _prepare(self, tokenizer_loader):
         t0 = time.perf_counter()
@@ -74,7 +84,7 @@ class GrammarCompiler:
         from tandem.structured.backends import BACKEND_CLASSES
 
         if tokenizer is None:
-            tokenizer = self._tokenizer.result()  # never under the lock: _prepare takes it
+            tokenizer = self.prepare().result()  # never under the lock: _prepare takes it
         with self._backend_lock:
             backend = self._backends.get(name)
             if backend is None:
@@ -88,6 +98,7 @@ class GrammarCompiler:
         backend would drop)."""
         name = so.backend(self.configured)
         key = (name, *so.spec())
+        self.prepare()  # queued before any compile, which waits for it on another thread
         with self._lock:
             future = self._cache.get(key)
             if future is not None:

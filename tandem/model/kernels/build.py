@@ -89,7 +89,10 @@ def token_bitmask():
     (see token_bitmask.cpp), or None: use the torch path."""
     if not enabled():
         return None
-    module = _load(BITMASK_SOURCE, "tandem_token_bitmask", "the C++ token bitmask kernel")
+    # portable: its loop gains nothing from wider vectors, and one build serves every ISA level
+    module = _load(
+        BITMASK_SOURCE, "tandem_token_bitmask", "the C++ token bitmask kernel", portable=True
+    )
     return None if module is None else module.apply_token_bitmask_
 
 
@@ -138,14 +141,17 @@ def _load(
     stem: str = "tandem_paged_attention",
     what="the C++ attention kernel",
     includes: tuple[Path, ...] = (),
+    portable: bool = False,
 ):
     """Build (or load the cached build of) `source`; `includes` are the sources it
-    #includes, which its build tag covers too."""
+    #includes, which its build tag covers too; portable: built for any x86-64, whatever the
+    ISA level in force."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         log.info("C++ kernels are built for x86 only; using the torch attention path")
         return None
     try:
-        cflags = ["-O3", *cpu_isa.compile_flags(), "-fopenmp", *_vec_flags()]
+        isa = [] if portable else [*cpu_isa.compile_flags(), *_vec_flags()]
+        cflags = ["-O3", *isa, "-fopenmp"]
         name = f"{stem}_{_build_tag(cflags, source, *includes)}"
         return load_or_build(name, source, cflags, ["-fopenmp"], _build_budget.left, what)
     except Exception as e:  # an unwritable cache, a module that will not import
