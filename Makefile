@@ -18,7 +18,7 @@ lint: setup
 test: lint
 	.venv/bin/python -m pytest $(ARGS)
 
-# Without the end-to-end tests marked slow: about 2.5 minutes on 2 cores.
+# Without the end-to-end tests marked slow: about 3.5 minutes on 2 cores.
 test-quick: lint
 	.venv/bin/python -m pytest -m "not slow" $(ARGS)
 
