@@ -93,6 +93,8 @@ class EngineCore:
                     self.stalled = False
                 else:
                     refused.append((rid, str(error)))
+            elif not self.grammars.prepared():  # the vocabulary's time is not the compile's
+                self.compiling[rid] = (request, future, now + self.grammars.timeout)
             elif now > deadline:
                 del self.compiling[rid]
                 so = request.sampling_params.structured_outputs

@@ -25,15 +25,11 @@ log = logging.getLogger("tandem")
 
 class GrammarMasks:
     def __init__(self, compiler, vocab_size: int) -> None:
-        import xgrammar as xgr
-
         from tandem.model import kernels
 
         self.compiler, self.vocab_size = compiler, vocab_size
         # one pass per row in C++ (kernels/token_bitmask.cpp); xgrammar's torch ops else
         self._kernel = kernels.token_bitmask()
-        self._apply = xgr.apply_token_bitmask_inplace
-        self._allocate = xgr.allocate_token_bitmask
         self.matchers: dict[str, object] = {}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
 
@@ -66,7 +62,10 @@ class GrammarMasks:
         return matcher
 
     def _fill(self, plan, num_rows: int) -> tuple[torch.Tensor, list[int]]:
-        bitmask = self._allocate(num_rows, self.vocab_size)
+        # xgrammar is imported by now: the request's grammar was compiled before admission
+        from xgrammar import allocate_token_bitmask
+
+        bitmask = allocate_token_bitmask(num_rows, self.vocab_size)
         indices = []
         for row, request, drafts in plan:
             m = self.matchers[request.request_id]
@@ -106,7 +105,9 @@ class GrammarMasks:
         if self._kernel is not None and logits.dtype == torch.float32 and logits.is_contiguous():
             self._kernel(logits, bitmask, torch.tensor(indices, dtype=torch.long))
         else:
-            self._apply(logits, bitmask, indices=indices)
+            from xgrammar import apply_token_bitmask_inplace
+
+            apply_token_bitmask_inplace(logits, bitmask, indices=indices)
 
     def accept(self, sampled: dict[str, list[int]]) -> None:
         for rid, tokens in sampled.items():

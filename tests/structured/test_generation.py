@@ -129,6 +129,9 @@ class _Compiles:
         self.futures.append(Future())
         return self.futures[-1]
 
+    def prepared(self) -> bool:
+        return True
+
 
 def _request(rid: str, so) -> EngineCoreRequest:
     return EngineCoreRequest(
