@@ -22,6 +22,7 @@ import ast
 import json
 from dataclasses import dataclass, field
 
+from tandem.server.deltas import held_back  # a tail that may begin a marker, as a stop
 from tandem.tool_calls.scan import Malformed, scan_call, skip_ws
 
 
@@ -36,14 +37,6 @@ class Call:
 class Parse:
     content: str
     calls: list[Call] = field(default_factory=list)
-
-
-def held_back(text: str, marker: str) -> int:
-    """Length of the longest tail of text that is a proper prefix of marker."""
-    for k in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
 
 
 def _check_final(text: str, parse: Parse) -> Parse:
@@ -109,7 +102,7 @@ class HermesParser(ToolParser):
     def _parse(self, text: str, final: bool) -> Parse:
         first = text.find(self.START)
         if first < 0:
-            return Parse(text if final else text[: len(text) - held_back(text, self.START)])
+            return Parse(text if final else text[: len(text) - held_back(text, [self.START])])
         parse, i = Parse(text[:first]), first
         while True:
             j = skip_ws(text, i + len(self.START))
@@ -151,7 +144,7 @@ class MistralParser(ToolParser):
     def _parse(self, text: str, final: bool) -> Parse:
         first = text.find(self.START)
         if first < 0:
-            return Parse(text if final else text[: len(text) - held_back(text, self.START)])
+            return Parse(text if final else text[: len(text) - held_back(text, [self.START])])
         i = skip_ws(text, first + len(self.START))
         if i >= len(text):
             return Parse(text[:first])
