@@ -212,3 +212,13 @@ def pytest_report_header(config):
     except ValueError as e:
         level = f"invalid ({e})"
     return f"cpu isa: this CPU runs {', '.join(cpu_isa.cpu_levels())}; this run: {level}"
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server on a free loopback port (tests/redis_server.py), killed after."""
+    from tests.redis_server import RedisServer
+
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.kill()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tandem.core.block_hash import BlockHasher
 from tandem.core.block_pool import BlockPool
 from tandem.core.radix_cache import EvictionPolicy, Node, RadixCache
 from tandem.core.request import Request
@@ -39,8 +40,13 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         eviction_policy: EvictionPolicy | None = None,
+        hasher: BlockHasher | None = None,
     ) -> None:
         self.block_size = block_size
+        # With KV tiers: names blocks for them, and every block computed here is listed in
+        # `_stores` as it is published, for the tiers to keep a copy (write-through).
+        self.hasher = hasher
+        self._stores: list[tuple[int, bytes]] = []
         self.pool = BlockPool(num_blocks)
         self.cache = (
             RadixCache(block_size, self.pool.ref_cnt, eviction_policy)
@@ -127,10 +133,19 @@ class KVCacheManager:
                 self._insert_full_blocks(request, num_computed + num_new_tokens - num_unverified)
         return True
 
-    def publish(self, request: Request, num_tokens: int) -> None:
-        """The KV of the request's first num_tokens is in place: let others match it."""
+    def publish(self, request: Request, num_tokens: int, store: bool = True) -> None:
+        """The KV of the request's first num_tokens is in place: let others match it.
+        store=False: it came from a KV tier, which holds it already."""
         if self.cache is not None:
-            self._insert_full_blocks(request, num_tokens)
+            self._insert_full_blocks(request, num_tokens, store)
+
+    def take_stores(self) -> list[tuple[int, bytes]]:
+        """(block id, hash) of the blocks published since the last call whose KV the tiers
+        should keep: only those still held by a request, so none can be evicted and written
+        over before the step's end, when the caller copies them."""
+        stores, self._stores = self._stores, []
+        ref = self.pool.ref_cnt
+        return [(b, h) for b, h in stores if ref[b] > 0 and self.cache.contains(b)]
 
     def _take(self, n: int) -> list[int]:
         short = n - self.pool.num_free
@@ -140,7 +155,7 @@ class KVCacheManager:
             self.pool.put_free(evicted)
         return self.pool.take(n)
 
-    def _insert_full_blocks(self, request: Request, num_tokens: int) -> None:
+    def _insert_full_blocks(self, request: Request, num_tokens: int, store: bool = True) -> None:
         """Publish the request's blocks that are full once num_tokens are computed. They go in
         at schedule time: a request admitted later in the same step reads them after this
         step's KV write, which precedes attention in every layer."""
@@ -160,6 +175,9 @@ class KVCacheManager:
                 cursor.stopped = True
                 break
             cursor.node, cursor.num_blocks = node, i + 1
+            # Adapters' KV stays in the pool: an adapter's id is local to this process.
+            if store and self.hasher is not None and not request.lora_id:
+                self._stores.append((block_id, self.hasher.hashes(request, i + 1)[i]))
 
     # ---- release -------------------------------------------------------------------
     def trim(self, request: Request, num_tokens: int) -> None:

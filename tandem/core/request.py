@@ -11,6 +11,7 @@ from tandem.core.slo import DEFAULT_CLASS, SLOClass
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_KV = "waiting_for_kv"  # reserved: its prompt's KV arrives from another instance
+    LOADING_KV = "loading_kv"  # part of its prompt's KV is being loaded from a KV tier
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -80,6 +81,9 @@ class Request:
         # Its compiled grammar (structured output; opaque here), held from admission so
         # the runner makes its matcher from it whatever the compile cache has dropped.
         self.grammar = None
+        # Its full blocks' hashes (core/block_hash.py), computed as the KV tiers need them.
+        self.block_hashes: list[bytes] = []
+        self.num_loaded_tokens = 0  # prompt tokens loaded from a KV tier at admission
 
     @property
     def num_tokens(self) -> int:

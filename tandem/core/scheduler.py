@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from tandem.core.budget import StepBudget, limit_adapters
 from tandem.core.cost_model import StepShape
 from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.kv_load import KVLoad, KVLoadSource
 from tandem.core.policy import BatchPolicy, FCFSBatch
 from tandem.core.request import Request, RequestStatus
 from tandem.spec.stats import SpecDecodeStats
@@ -65,6 +66,10 @@ class SchedulerOutput:
     finished_ids: list[str] = field(default_factory=list)
     # Requests this schedule() finished because they could no longer meet their SLO.
     shed: list[Request] = field(default_factory=list)
+    # KV tiers: prefixes to load into requests' blocks (those requests wait, LOADING_KV), and
+    # (block id, hash) of blocks published this step, to copy down the tiers once computed.
+    kv_loads: list[KVLoad] = field(default_factory=list)
+    kv_stores: list[tuple[int, bytes]] = field(default_factory=list)
     _shape: StepShape | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -113,8 +118,10 @@ class Scheduler:
         clock: Callable[[], float],
         batch: BatchPolicy | None = None,
         cost_model=None,
+        kv_source: KVLoadSource | None = None,
     ) -> None:
         self.config = config
+        self.kv_source = kv_source  # KV tiers to load prefixes from, if any
         self.kv = kv
         self.clock = clock
         self.batch = batch or FCFSBatch()  # which requests, in what order, within what budget
@@ -122,6 +129,7 @@ class Scheduler:
         self.waiting = self.batch.new_queue()
         self.running: list[Request] = []
         self.reserved: dict[str, Request] = {}  # waiting for their KV (reserve / commit)
+        self.loading: dict[str, Request] = {}  # loading a prefix from a KV tier (finish_load)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
@@ -175,7 +183,7 @@ class Scheduler:
                 continue
             if request in self.running:
                 self.running.remove(request)
-            elif self.reserved.pop(rid, None) is None:
+            elif self.reserved.pop(rid, None) is None and self.loading.pop(rid, None) is None:
                 self.waiting.remove(request)
             self._finish(request, status)
             done.append(request)
@@ -190,7 +198,14 @@ class Scheduler:
         return len(self.waiting)
 
     def has_unfinished(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0 or bool(self.reserved)
+        return (
+            bool(self.running) or len(self.waiting) > 0 or bool(self.reserved) or bool(self.loading)
+        )
+
+    @property
+    def num_seated(self) -> int:
+        """Requests holding a seat of max_num_seqs: running, reserved or loading."""
+        return len(self.running) + len(self.reserved) + len(self.loading)
 
     # ---- KV from elsewhere (prefill/decode disaggregation) -----------------------------
     def reserve(self, request: Request) -> int | None:
@@ -203,7 +218,7 @@ class Scheduler:
             |<- num_cached: held here ->|<- to receive ->|
         """
         self._intake(request)
-        if len(self.running) + len(self.reserved) >= self.config.max_num_seqs:
+        if self.num_seated >= self.config.max_num_seqs:
             return None
         prefix = self.kv.match_prefix(request)
         num_cached = len(prefix) * self.kv.block_size
@@ -241,6 +256,8 @@ class Scheduler:
         self._finished_ids = []
         out.shed = self.batch.prepare(self)  # may shed or demote requests past their SLO
         self._fill(out, limit_adapters(self.batch.budget(self), self.config.max_loras))
+        if self.kv.hasher is not None:
+            out.kv_stores = self.kv.take_stores()
         return out
 
     def _fill(self, out: SchedulerOutput, budget: StepBudget) -> None:
@@ -299,7 +316,7 @@ class Scheduler:
         return tuple(req.draft_token_ids[: max(0, room - 1)])
 
     def _admit(self, out, req: Request, budget: StepBudget, unscheduled) -> bool:
-        if len(self.running) >= self.config.max_num_seqs:
+        if self.num_seated >= self.config.max_num_seqs:
             # The policy may have a running request give up its seat (SLO: an at-risk
             # prompt's, which the step then surely admits: it comes first in the order).
             seat = self.batch.seat_victim(req, unscheduled)
@@ -308,6 +325,9 @@ class Scheduler:
             self._preempt_for(out, seat, budget, unscheduled)
         prefix = self.kv.match_prefix(req)
         num_cached = len(prefix) * self.kv.block_size
+        num_loadable = self.num_loadable(req, num_cached)
+        if num_loadable:
+            return self._admit_loading(out, req, prefix, num_loadable, budget, unscheduled)
         n = budget.fit(req, num_cached, req.num_tokens - num_cached)
         if n <= 0:
             return False
@@ -323,6 +343,55 @@ class Scheduler:
         out.scheduled.append(ScheduledRequest.of(req, num_cached, n))
         budget.spend(req, num_cached, n)
         return True
+
+    # ---- KV loaded from a tier (core/kv_load.py) -------------------------------------------
+    def num_loadable(self, req: Request, num_cached: int) -> int:
+        """Tokens after the first num_cached whose KV a tier can load (0: none, or no tiers)."""
+        if self.kv_source is None or req.lora_id:  # an adapter's id names nothing elsewhere
+            return 0
+        bs = self.kv.block_size
+        end = (req.num_tokens - 1) // bs * bs  # the last token is computed, for its logits
+        return self.kv_source.num_loadable(req, num_cached, end) if end > num_cached else 0
+
+    def _admit_loading(self, out, req, prefix, num_loadable, budget, unscheduled) -> bool:
+        """Admit a request whose next num_loadable tokens' KV a tier holds: it holds blocks
+        for them (unpublished: no request may match KV that has not arrived) and waits for
+        the load, costing this step nothing."""
+        while not self.kv.allocate_slots(req, num_loadable, prefix, publish=False):
+            victim = self.batch.victim(req, unscheduled)
+            if victim is None:
+                return False
+            self._preempt_for(out, victim, budget, unscheduled)
+        num_cached = len(prefix) * self.kv.block_size
+        self.waiting.remove(req)
+        self._start(req, num_cached)
+        req.status = RequestStatus.LOADING_KV
+        self.loading[req.request_id] = req
+        out.kv_loads.append(self.kv_load(req, num_cached, num_loadable))
+        return True
+
+    def kv_load(self, req: Request, start: int, num_tokens: int) -> KVLoad:
+        """The load of the request's tokens [start, start + num_tokens) into its blocks."""
+        bs = self.kv.block_size
+        first, last = start // bs, (start + num_tokens) // bs
+        hashes = self.kv.hasher.hashes(req, last)[first:]
+        return KVLoad(req.request_id, start, req.block_ids[first:last], hashes)
+
+    def finish_load(self, request_id: str, num_loaded: int) -> Request | None:
+        """A load ended with its first num_loaded tokens in place (all, some or none): the
+        request runs on from there, and the loaded blocks are published. None if the request
+        is gone (aborted while loading)."""
+        req = self.loading.pop(request_id, None)
+        if req is None:
+            return None
+        req.num_computed_tokens += num_loaded
+        if req.num_preemptions == 0:
+            req.num_loaded_tokens = num_loaded
+            req.num_cached_tokens += num_loaded  # reported as cached, as a device hit is
+        self.kv.publish(req, req.num_computed_tokens, store=False)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        return req
 
     def _start(self, req: Request, num_cached: int) -> None:
         """The request holds blocks from now on, the first num_cached of them cached."""
@@ -400,10 +469,11 @@ class Scheduler:
         self._finished_ids.append(req.request_id)
 
     def check_invariants(self) -> None:
-        live = list(self.running) + list(self.waiting) + list(self.reserved.values())
+        loading = list(self.loading.values())
+        live = list(self.running) + list(self.waiting) + list(self.reserved.values()) + loading
         assert len(live) == len(self.requests), "a request is lost or counted twice"
         assert all(r.request_id in self.requests for r in live)
-        assert len(self.running) <= self.config.max_num_seqs
+        assert self.num_seated <= self.config.max_num_seqs
         for r in self.waiting:
             assert not r.block_ids and r.num_computed_tokens == 0, f"waiting {r} holds KV"
         for r in self.running:
@@ -415,4 +485,7 @@ class Scheduler:
         for r in self.reserved.values():
             assert r.status == RequestStatus.WAITING_FOR_KV
             assert len(r.block_ids) == self.kv.blocks_for(r.num_prompt_tokens)
-        self.kv.check_invariants([*self.running, *self.reserved.values()])
+        for r in loading:
+            assert r.status == RequestStatus.LOADING_KV
+            assert len(r.block_ids) * self.kv.block_size < r.num_tokens, f"{r} holds too much"
+        self.kv.check_invariants([*self.running, *self.reserved.values(), *loading])

@@ -34,7 +34,13 @@ def build_engine(config: EngineConfig, clock=None):
     loaded.runner.enable_structured_outputs(build_grammar_compiler(config, loaded))
     if config.speculative_config is not None:
         loaded.runner.proposer = build_proposer(config.speculative_config, config, loaded)
-    kv = KVCacheManager(loaded.num_blocks, config.block_size, config.enable_prefix_caching)
+    tiers = build_kv_tiers(config, loaded) if config.kv_tiers_on else None
+    kv = KVCacheManager(
+        loaded.num_blocks,
+        config.block_size,
+        config.enable_prefix_caching,
+        hasher=tiers.hasher if tiers else None,
+    )
     scheduler = Scheduler(
         SchedulerConfig(
             config.max_num_seqs,
@@ -46,12 +52,16 @@ def build_engine(config: EngineConfig, clock=None):
         clock,
         build_batch_policy(config.scheduling_policy, cost),
         cost,
+        kv_source=tiers,
     )
     eos = loaded.model_config.eos_token_ids
-    core = EngineCore(scheduler, loaded.runner, clock, eos, cpu_clock=time.process_time)
+    core = EngineCore(
+        scheduler, loaded.runner, clock, eos, cpu_clock=time.process_time, kv_tiers=tiers
+    )
     log.info(
         "engine ready: %s, %s on %s, weights %s, %d KV blocks of %d tokens (KV cache %s), "
-        "max_model_len %d, %d tokens a step, scheduling %s, speculative decoding: %s, LoRA: %s",
+        "max_model_len %d, %d tokens a step, scheduling %s, speculative decoding: %s, LoRA: %s, "
+        "KV tiers: %s",
         loaded.model_config.architecture,
         loaded.dtype,
         loaded.device,
@@ -66,8 +76,59 @@ def build_engine(config: EngineConfig, clock=None):
         f"{config.max_loras} slots, rank <= {config.max_lora_rank}"
         if config.enable_lora
         else "off",
+        tiers.describe() if tiers else "off",
     )
     return core, loaded
+
+
+def build_kv_tiers(config: EngineConfig, loaded):
+    """The KV tiers the flags ask for, fastest first, named for this model and KV layout."""
+    from tandem.core.block_hash import BlockHasher, model_seed
+    from tandem.kv_transfer.offload import KVTiers
+    from tandem.kv_transfer.tiers import DiskTier, HostTier, RedisTier
+
+    layout = loaded.runner.kv_layout
+    mc = loaded.model_config
+    seed = model_seed(
+        "tandem-kv-1", model_fingerprint(config.model), mc.architecture, mc.num_layers,
+        mc.vocab_size, loaded.weights, layout,
+    )  # fmt: skip
+    tiers = []
+    if config.kv_offloading_size:
+        tiers.append(HostTier(int(config.kv_offloading_size * 2**30)))
+    if config.kv_disk_dir:
+        tiers.append(DiskTier(config.kv_disk_dir, int(config.kv_disk_size * 2**30), layout))
+    if config.kv_remote_url:
+        redis_tier = RedisTier(config.kv_remote_url, layout, timeout_s=min(0.5, config.kv_offload_load_timeout))  # fmt: skip
+        if not redis_tier.ping():
+            log.warning("KV tiers: Redis at %s does not answer; lookups miss until it does",
+                        config.kv_remote_url)  # fmt: skip
+        tiers.append(redis_tier)
+    return KVTiers(
+        tiers,
+        BlockHasher(seed, config.block_size),
+        config.kv_offload_min_tokens,
+        config.kv_offload_load_timeout,
+    )
+
+
+def model_fingerprint(model: str | None) -> tuple:
+    """What names the weights wherever they are: a file's name and size; a folder's name,
+    its weight files' names and sizes, and its config.json."""
+    from pathlib import Path
+
+    path = Path(model or "")
+    if path.is_file():
+        return (path.name, path.stat().st_size)
+    if not path.is_dir():
+        return (str(model),)
+    files = sorted(
+        (f.name, f.stat().st_size)
+        for f in path.iterdir()
+        if f.suffix in (".safetensors", ".bin", ".gguf", ".pt")
+    )
+    config = path / "config.json"
+    return (path.name, tuple(files), config.read_text() if config.is_file() else "")
 
 
 def build_grammar_compiler(config: EngineConfig, loaded):

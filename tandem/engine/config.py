@@ -159,6 +159,34 @@ class EngineConfig:
         "instances it takes KV from; prefill role, the decode instances' public key file",
         type=str,
     )
+    kv_offloading_size: float = _flag(
+        0.0,
+        "GiB of host memory for a KV tier behind the prefix cache: the KV of every computed "
+        "block is kept there too, and a prompt whose prefix left the pool loads it back "
+        "instead of computing it (vLLM's flag; 0: off)",
+    )
+    kv_disk_dir: str | None = _flag(
+        None,
+        "a directory for a local-disk KV tier, which outlives the server: a restart finds the "
+        "prefixes its predecessor computed (default: off)",
+        type=str,
+    )
+    kv_disk_size: float = _flag(10.0, "GiB the disk tier may hold (least recently used dropped)")
+    kv_remote_url: str | None = _flag(
+        None,
+        "redis://HOST:PORT[/DB]: a KV tier in Redis, which instances pointed at the same server "
+        "share: one reuses the prefixes another computed (default: off)",
+        type=str,
+    )
+    kv_offload_min_tokens: int = _flag(
+        256,
+        "KV tiers: a prefix found in a tier is loaded only if it is at least this many tokens "
+        "(a shorter one is computed: cheaper than a lookup and a load)",
+    )
+    kv_offload_load_timeout: float = _flag(
+        2.0,
+        "KV tiers: seconds a load may take; a later one is given up and its tokens computed",
+    )
     speculative_config: SpeculativeConfig | None = _flag(
         None,
         'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": '
@@ -245,6 +273,7 @@ class EngineConfig:
             raise ValueError(
                 f"kv_transfer_timeout must be > 0 (seconds), got {self.kv_transfer_timeout!r}"
             )
+        self._check_kv_tiers()
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
@@ -265,6 +294,28 @@ class EngineConfig:
             isinstance(self.max_model_len, int) and self.max_model_len >= 2
         ):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+
+    @property
+    def kv_tiers_on(self) -> bool:
+        return bool(self.kv_offloading_size or self.kv_disk_dir or self.kv_remote_url)
+
+    def _check_kv_tiers(self) -> None:
+        for name in ("kv_offloading_size", "kv_disk_size"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and value >= 0):
+                raise ValueError(f"{name} must be >= 0 (GiB), got {value!r}")
+        if self.kv_disk_dir is not None and not self.kv_disk_size > 0:
+            raise ValueError(f"kv_disk_size must be > 0 (GiB) with --kv-disk-dir, got {self.kv_disk_size!r}")  # fmt: skip
+        url = self.kv_remote_url
+        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"kv_remote_url must be redis://HOST:PORT[/DB], got {url!r}")
+        if not (isinstance(self.kv_offload_min_tokens, int) and self.kv_offload_min_tokens >= 0):
+            raise ValueError(f"kv_offload_min_tokens must be an integer >= 0, got {self.kv_offload_min_tokens!r}")  # fmt: skip
+        if not self.kv_offload_load_timeout > 0:
+            raise ValueError(f"kv_offload_load_timeout must be > 0 (seconds), got {self.kv_offload_load_timeout!r}")  # fmt: skip
+        if self.kv_tiers_on and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size: KV tiers sit behind the prefix cache; "
+                             "they need --enable-prefix-caching")  # fmt: skip
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

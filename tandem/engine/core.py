@@ -34,8 +34,12 @@ class EngineCore:
         clock: Callable[[], float],
         eos_token_ids: tuple[int, ...] = (),
         cpu_clock: Callable[[], float] | None = None,
+        kv_tiers=None,
     ) -> None:
         self.scheduler, self.runner, self.clock = scheduler, runner, clock
+        # KV tiers (kv_transfer/offload.py; the scheduler asks them what it can load): the
+        # loop starts the loads it plans, imports what arrives, and stores what it computes.
+        self.kv_tiers = kv_tiers
         self.eos_token_ids = eos_token_ids  # the model's, given to every request's params
         # The last step scheduled and preempted nothing: only a new message (an add, an
         # abort, KV arriving) can change that, so a loop around the core may block.
@@ -126,9 +130,16 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         t0 = self.clock()
+        if self.kv_tiers is not None:
+            self._finish_kv_loads()
         plan = self.scheduler.schedule()
-        self.stalled = plan.is_empty and not plan.preempted_ids and not plan.shed
+        if plan.kv_loads:
+            self.kv_tiers.start(plan.kv_loads)
+        loading = bool(self.scheduler.loading)  # a load that ends changes what can run
+        self.stalled = plan.is_empty and not plan.preempted_ids and not plan.shed and not loading
         if plan.is_empty and not plan.finished_ids and not plan.shed:
+            if loading:
+                self.kv_tiers.wait(0.005)  # the loads' thread works; the loop does not spin
             return []
         cost = self.scheduler.cost_model
         self.predicted_step_seconds = cost.predict(plan.shape) if cost else None
@@ -139,6 +150,8 @@ class EngineCore:
         except Exception:
             log.exception("a step of %d requests failed; retrying each alone", len(plan.scheduled))
             result, errors = self._execute_one_by_one(plan)
+        if plan.kv_stores and not errors:  # (a failed row's KV may be half written)
+            self._store_kv(plan.kv_stores)
         t2 = self.clock()
         self.step_seconds = t2 - t1
         if plan.scheduled:
@@ -213,6 +226,31 @@ class EngineCore:
             for r in failed
         ]
 
+    # ---- KV tiers -----------------------------------------------------------------------
+    def _finish_kv_loads(self) -> None:
+        """Import the loads that ended; their requests run on from what arrived."""
+        bs = self.scheduler.kv.block_size
+        for load, payloads in self.kv_tiers.finished():
+            if load.request_id not in self.scheduler.loading:
+                continue  # aborted while it loaded
+            n = len(payloads)
+            if n:
+                try:
+                    self.runner.import_blocks(load.block_ids[:n], payloads)
+                except Exception:
+                    log.exception("request %s: importing its KV failed", load.request_id)
+                    n = 0
+            self.scheduler.finish_load(load.request_id, n * bs)
+            self.stalled = False
+
+    def _store_kv(self, stores: list[tuple[int, bytes]]) -> None:
+        try:
+            payloads = self.runner.export_blocks([b for b, _ in stores])
+        except Exception:
+            log.exception("copying %d blocks for the KV tiers failed", len(stores))
+            return
+        self.kv_tiers.store([(h, p) for (_, h), p in zip(stores, payloads)])
+
     # ---- KV from or for another instance (prefill/decode disaggregation) ---------------
     def reserve(self, req: EngineCoreRequest) -> int | None:
         """Admit a request whose prompt KV another instance sends: how many prompt tokens
@@ -224,7 +262,30 @@ class EngineCore:
         num_cached = self.scheduler.reserve(request)
         if num_cached is not None:  # one that found no room changed nothing
             self.stalled = False
+            if self.kv_tiers is not None:
+                num_cached += self._load_reserved(request, num_cached)
         return num_cached
+
+    def _load_reserved(self, request: Request, num_cached: int) -> int:
+        """Load what the KV tiers hold of a reserved prompt past its radix match, before the
+        reservation is answered (the sender then sends only the rest): the tokens loaded.
+        It blocks the loop for the load (at most the load timeout)."""
+        n = self.scheduler.num_loadable(request, num_cached)
+        if not n:
+            return 0
+        load = self.scheduler.kv_load(request, num_cached, n)
+        payloads = self.kv_tiers.load_now(load)
+        if payloads:
+            try:
+                self.runner.import_blocks(load.block_ids[: len(payloads)], payloads)
+            except Exception:
+                log.exception("request %s: importing its KV failed", request.request_id)
+                return 0
+        loaded = len(payloads) * self.scheduler.kv.block_size
+        request.num_computed_tokens += loaded  # the KV the sender sends starts after it
+        request.num_loaded_tokens = loaded
+        request.num_cached_tokens += loaded
+        return loaded
 
     def receive_kv(self, request_id: str, start: int, kv) -> None:
         """KV of the reserved request's positions from `start` (the runner's format)."""
@@ -274,7 +335,14 @@ class EngineCore:
             num_steps=self.num_steps,
             execute_seconds=self.execute_seconds,
             execute_cpu_seconds=self.execute_cpu_seconds,
+            **(self._tier_stats() if self.kv_tiers is not None else {}),
         )
+
+    def _tier_stats(self) -> dict:
+        tiers = self.kv_tiers
+        seconds, tiers.load_seconds = tiers.load_seconds, []
+        loads = dataclasses.replace(tiers.stats)
+        return {"kv_tiers": tiers.tier_stats(), "kv_tier_loads": loads, "kv_load_seconds": seconds}
 
     # ---- LoRA adapters ------------------------------------------------------------------
     def read_lora(self, path: str):

@@ -18,6 +18,7 @@ import msgspec
 from tandem.core.runner import TokenLogprobs
 from tandem.core.sampling_params import SamplingParams
 from tandem.core.slo import DEFAULT_CLASS, SLOClass
+from tandem.kv_transfer.tiers import LoadStats, TierStats
 from tandem.spec.stats import SpecDecodeStats
 
 # Message kinds, server -> core: the first frame of a multipart message.
@@ -87,6 +88,11 @@ class EngineStats:
     # seconds from reservation to commit of the transfers done since the last stats
     kv_transfer_seconds: list[float] = field(default_factory=list)
     spec_decode: SpecDecodeStats | None = None  # cumulative; None: no speculation here
+    # KV tiers (kv_transfer/): each tier's counters and the loads', cumulative; the seconds
+    # of the loads that ended since the last stats
+    kv_tiers: list[TierStats] = field(default_factory=list)
+    kv_tier_loads: LoadStats | None = None
+    kv_load_seconds: list[float] = field(default_factory=list)
 
 
 class CoreReady(msgspec.Struct, tag="ready", array_like=True):

@@ -107,3 +107,53 @@ def import_kv(
         )
     for i in range(layers):
         import_layer(kv_cache, kv_scales, block_ids, i, start, kv[i, 0], kv[i, 1])
+
+
+# ---- whole blocks, for the KV tiers (kv_transfer/offload.py) ----------------------------
+def block_layout(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> str:
+    """What a block's payload is, for a tier's entries: a payload of another layout (another
+    model, dtype or block size) is never imported."""
+    layers, _, _, bs, kvh, d = kv_cache.shape
+    scales = "+scales" if kv_scales is not None else ""
+    return f"{str(kv_cache.dtype).removeprefix('torch.')}:{layers}x2x{bs}x{kvh}x{d}{scales}"
+
+
+def export_blocks(
+    kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, block_ids: list[int]
+) -> list[memoryview]:
+    """Each block's KV as stored (and an 8-bit cache's scales after it), a byte view per
+    block of one copy: [layers, 2, block_size, kv_heads, head_dim] then [layers, 2,
+    block_size, kv_heads]."""
+    idx = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+    parts = [_bytes_of(kv_cache).index_select(2, idx).movedim(2, 0).reshape(len(block_ids), -1)]
+    if kv_scales is not None:
+        scales = _bytes_of(kv_scales).index_select(2, idx).movedim(2, 0)
+        parts.append(scales.reshape(len(block_ids), -1))
+    rows = torch.cat(parts, 1) if len(parts) > 1 else parts[0].contiguous()
+    array = rows.cpu().numpy()
+    return [memoryview(row) for row in array]
+
+
+def import_blocks(
+    kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, block_ids: list[int], payloads
+) -> None:
+    """Write payloads from `export_blocks` (of a cache of the same layout) into block_ids."""
+    if not block_ids:
+        return
+    kv_bytes = _bytes_of(kv_cache)
+    layers, two, _, bs, kvh, width = kv_bytes.shape
+    n = len(block_ids)
+    rows = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(n, -1)
+    kv_size = layers * two * bs * kvh * width
+    idx = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+    kv = rows[:, :kv_size].reshape(n, layers, two, bs, kvh, width).movedim(0, 2)
+    kv_bytes.index_copy_(2, idx, kv.to(kv_cache.device))
+    if kv_scales is not None:
+        scale_bytes = _bytes_of(kv_scales)
+        scales = rows[:, kv_size:].reshape(n, *scale_bytes.shape[:2], *scale_bytes.shape[3:])
+        scale_bytes.index_copy_(2, idx, scales.movedim(0, 2).to(kv_cache.device))
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as uint8, the last dimension in bytes (index_copy_ has no e4m3)."""
+    return t.view(torch.uint8)

@@ -26,7 +26,15 @@ from tandem.model.kv_quant import storage_dtype
 from tandem.model.layers import use_fused_kernels
 from tandem.model.packed_linear import pack_linears, packing_available
 from tandem.runner.input_batch import prepare_inputs
-from tandem.runner.kv_transfer import export_kv, export_layer, import_kv, import_layer
+from tandem.runner.kv_transfer import (
+    block_layout,
+    export_blocks,
+    export_kv,
+    export_layer,
+    import_blocks,
+    import_kv,
+    import_layer,
+)
 from tandem.runner.sampler import Sampler
 from tandem.spec.proposer import ProposeRow
 
@@ -179,6 +187,17 @@ class ModelRunner:
 
     def import_layer(self, block_ids: list[int], layer: int, start: int, k, v, scales=None):
         import_layer(self.kv_cache, self.kv_scales, block_ids, layer, start, k, v, scales)
+
+    # ---- whole blocks as stored, for the KV tiers -------------------------------------
+    @property
+    def kv_layout(self) -> str:
+        return block_layout(self.kv_cache, self.kv_scales)
+
+    def export_blocks(self, block_ids: list[int]) -> list[memoryview]:
+        return export_blocks(self.kv_cache, self.kv_scales, block_ids)
+
+    def import_blocks(self, block_ids: list[int], payloads) -> None:
+        import_blocks(self.kv_cache, self.kv_scales, block_ids, payloads)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:

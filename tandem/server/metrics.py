@@ -30,6 +30,16 @@ _ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 _LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
 _LABELS = ["model_name", "engine"]
+# TierStats field -> (metric name, help): each a counter with a `tier` label
+_TIER_COUNTERS = [
+    ("hits", "hits", "Blocks read back from a KV tier"),
+    ("misses", "misses", "Blocks asked of a KV tier and not read (absent, corrupt, unreachable)"),
+    ("bytes_loaded", "loaded_bytes", "KV bytes read back from a tier"),
+    ("bytes_stored", "stored_bytes", "KV bytes written to a tier"),
+    ("evictions", "evictions", "Blocks a tier dropped for room"),
+    ("load_seconds", "tier_load_seconds", "Seconds spent reading a tier"),
+    ("errors", "errors", "A tier's failed calls (a dead Redis, an unreadable file)"),
+]
 
 
 class Metrics:
@@ -114,6 +124,28 @@ class Metrics:
             registry=self.registry,
         )
         self._spec_per_pos: list[int] = []
+        # KV tiers (zero without them): per tier, and over the loads
+        self._tier_counters = {
+            field: Counter(f"tandem:kv_offload_{name}", doc, [*_LABELS, "tier"], registry=self.registry)
+            for field, name, doc in _TIER_COUNTERS
+        }  # fmt: skip
+        self._tier_totals: dict[tuple[str, str], float] = {}
+        self.kv_lookups = self._counter(
+            "kv_offload_lookups", "Admissions that asked the KV tiers for a prefix"
+        )
+        self.kv_lookup_hits = self._counter(
+            "kv_offload_lookup_hits", "Admissions that found a prefix worth loading in a tier"
+        )
+        self.kv_loaded_tokens = self._counter(
+            "kv_offload_loaded_tokens", "Prompt tokens loaded from the KV tiers, not computed"
+        )
+        self.kv_load_timeouts = self._counter(
+            "kv_offload_load_timeouts", "Loads given up past --kv-offload-load-timeout"
+        )
+        self.kv_load_seconds = self._histogram(
+            "kv_offload_load_seconds", "Seconds a prefix load took", _TTFT_BUCKETS
+        )
+        self._load_totals = (0, 0, 0, 0)
         self._slo: dict[str, SLOClass] = {}
         self._last_token_time: dict[str, float] = {}
         self._engine_totals = (0,) * 13  # the core's cumulative counters seen so far
@@ -176,9 +208,30 @@ class Metrics:
         self._spec_per_pos = list(per_pos)
         for seconds in stats.kv_transfer_seconds:
             self.kv_seconds.observe(seconds)
+        self._on_tier_stats(stats)
         self.step_time.set(stats.step_seconds)
         if stats.predicted_step_seconds is not None:
             self.step_predicted.set(stats.predicted_step_seconds)
+
+    def _on_tier_stats(self, stats: EngineStats) -> None:
+        for tier in stats.kv_tiers:
+            for field, counter in self._tier_counters.items():
+                new, key = getattr(tier, field), (tier.name, field)
+                old = self._tier_totals.get(key, 0)
+                if new > old:
+                    counter.labels(*self._labels, tier.name).inc(new - old)
+                self._tier_totals[key] = new
+        loads = stats.kv_tier_loads
+        if loads is not None:
+            totals = (loads.lookups, loads.lookup_hits, loads.loaded_tokens, loads.timeouts)
+            counters = (self.kv_lookups, self.kv_lookup_hits, self.kv_loaded_tokens,
+                        self.kv_load_timeouts)  # fmt: skip
+            for counter, new, old in zip(counters, totals, self._load_totals):
+                if new > old:
+                    counter.inc(new - old)
+            self._load_totals = totals
+        for seconds in stats.kv_load_seconds:
+            self.kv_load_seconds.observe(seconds)
 
     def on_add(self, request_id: str, slo: SLOClass) -> None:
         self._slo[request_id] = slo

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+from tandem.core.block_hash import BlockHasher
 from tandem.core.clock import FakeClock
 from tandem.core.cost_model import StepShape
 from tandem.core.kv_cache_manager import KVCacheManager
@@ -13,6 +14,27 @@ from tandem.core.sampling_params import SamplingParams
 from tandem.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 EOS = 2
+
+
+class FakeTiers:
+    """A KV tier over the harness's fake KV: it keeps each stored block's slots (the token
+    prefixes written there) under the block's hash, and a load writes them back into the
+    loading request's blocks, so a load of the wrong blocks shows as wrong KV."""
+
+    def __init__(self, block_size: int, min_tokens: int = 0) -> None:
+        self.hasher = BlockHasher(b"test-model", block_size)
+        self.min_tokens = min_tokens
+        self.blocks: dict[bytes, list] = {}
+        self.num_asked = 0
+
+    def num_loadable(self, request, start: int, end: int) -> int:
+        self.num_asked += 1
+        bs = self.hasher.block_size
+        hashes = self.hasher.hashes(request, end // bs)[start // bs :]
+        n = 0
+        while n < len(hashes) and hashes[n] in self.blocks:
+            n += 1
+        return n * bs if n * bs >= self.min_tokens else 0
 
 
 class Harness:
@@ -26,11 +48,15 @@ class Harness:
         prefix_caching: bool = True,
         batch=None,
         cost_model=None,
+        tiers: FakeTiers | None = None,
     ) -> None:
         self.clock = FakeClock()
-        self.kv = KVCacheManager(num_blocks, block_size, prefix_caching)
+        hasher = tiers.hasher if tiers else None
+        self.kv = KVCacheManager(num_blocks, block_size, prefix_caching, hasher=hasher)
         cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
-        self.sched = Scheduler(cfg, self.kv, self.clock, batch, cost_model)
+        self.sched = Scheduler(cfg, self.kv, self.clock, batch, cost_model, kv_source=tiers)
+        self.tiers = tiers
+        self.loads = []  # KVLoads planned and not finished yet
         # Each step takes what the cost model predicts for it (0.01 s without one).
         self.cost_model = cost_model
         self._ids = itertools.count()
@@ -67,6 +93,8 @@ class Harness:
         plan = self.sched.schedule()
         self.sched.check_invariants()
         self._write_kv(plan)
+        if self.tiers is not None:
+            self._store_and_plan_loads(plan)
         for s in plan.scheduled:
             self.assert_kv_correct(s.request, s.start + s.num_new_tokens - len(s.draft_token_ids))
         tokens = {
@@ -95,6 +123,25 @@ class Harness:
             toks = s.request.all_token_ids[: s.start] + s.token_ids  # drafts included
             for pos in range(s.start, s.start + s.num_new_tokens):
                 self.kv_content[(s.request.block_ids[pos // bs], pos % bs)] = tuple(toks[: pos + 1])
+
+    def _store_and_plan_loads(self, plan: SchedulerOutput) -> None:
+        bs = self.kv.block_size
+        for block_id, h in plan.kv_stores:  # the step computed them: copy them down
+            self.tiers.blocks[h] = [self.kv_content.get((block_id, o)) for o in range(bs)]
+        self.loads += plan.kv_loads
+
+    def finish_loads(self, num_blocks: int | None = None) -> list[Request | None]:
+        """End every planned load with its first num_blocks blocks (all: None) written."""
+        done, bs = [], self.kv.block_size
+        for load in self.loads:
+            n = len(load.block_ids) if num_blocks is None else num_blocks
+            for block_id, h in zip(load.block_ids[:n], load.hashes):
+                for o, content in enumerate(self.tiers.blocks[h]):
+                    self.kv_content[(block_id, o)] = content
+            done.append(self.sched.finish_load(load.request_id, n * bs))
+        self.loads = []
+        self.sched.check_invariants()
+        return done
 
     def assert_kv_correct(self, req: Request, upto: int) -> None:
         """Every slot the request attends to (positions < upto) holds its own prefix's KV."""

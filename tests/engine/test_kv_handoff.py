@@ -153,3 +153,19 @@ def test_a_pair_of_other_kv_dtypes_stores_what_the_decode_side_computes(
     assert checked == [True]
     if prefill_kv == "auto":
         assert tokens == colocated(_engine(llama_path, kv_cache_dtype=decode_kv), prompt)
+
+
+def test_a_decode_instance_fills_a_prefix_from_its_kv_tier_and_receives_only_the_rest(
+    llama_path,
+):
+    prompt = [(5 * i + 1) % 300 + 5 for i in range(45)]
+    decode = LLM(str(llama_path), dtype="float32", block_size=4, kv_cache_memory=0.01,
+                 kv_offloading_size=0.01, kv_offload_min_tokens=8)  # fmt: skip
+    colocated(decode, prompt[:41])  # computed here once: its blocks are in the host tier
+    assert decode.engine.reset_prefix_cache() > 0  # ... and no longer in the pool
+    seen = {}
+    tokens, _ = handoff(_engine(llama_path), decode, "r", prompt,
+                        inspect=lambda s, r, held: seen.update(held=held))  # fmt: skip
+    assert seen["held"] == 40  # 10 blocks loaded from the tier: only positions 40.. sent
+    assert tokens == colocated(_engine(llama_path), prompt)
+    assert decode.engine.stats().kv_tier_loads.loaded_tokens == 40
