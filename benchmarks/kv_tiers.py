@@ -1,13 +1,16 @@
 """KV tiers behind the radix cache: what host memory and a shared Redis buy, and what they
 cost when nothing hits. Real servers on loopback, the default model, one run; ratios.
 
-    python benchmarks/kv_tiers.py [--model PATH] [--only multiround,redis,unique] [--json F]
+    python benchmarks/kv_tiers.py [--model PATH] [--only multiround,sequential,redis,unique] [--json F]
 
 multiround  LMCache's multi-round QA: 8 users x 6 rounds, all users at once, each round
             after that user's previous answer. A prompt is a 512-token system prompt shared
             by all, 1,024 tokens of the user's own context, then the conversation so far
             (32-token questions, 64-token answers). The KV pool holds a fifth of the working
             set. Mean TTFT of rounds >= 2, tiers off vs a host-memory tier.
+sequential  The same conversations one request at a time (user 0's round 1, user 1's...):
+            TTFT is then the prompt's own cost, not the queue's, and greedy output must be
+            identical with the tier on and off.
 redis       Two instances and one real redis-server on loopback. Instance A computes 16
             users' contexts (512 shared + 1,024 own tokens) and stores them in Redis; a fresh
             instance B then takes each user's follow-up, all 16 at once, and loads the
@@ -16,8 +19,8 @@ redis       Two instances and one real redis-server on loopback. Instance A comp
             Then one request at a time: B's first request for a prefix A computed against a
             cold instance's.
 unique      0% hits: 64 all-new 512-token prompts, 128 output tokens, 16 in flight: output
-            tokens per second with host + Redis tiers on (every block stored) vs off, rounds
-            alternating.
+            tokens per second with a host tier, and with host + Redis tiers (every block
+            stored), vs tiers off; 3 rounds, each configuration first once.
 """
 
 from __future__ import annotations
@@ -118,7 +121,8 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 
 
 # ---- multiround -----------------------------------------------------------------------
-def multiround(model, users=8, rounds=6, system=512, context=1024, question=32, answer=64):
+def multiround(model, users=8, rounds=6, system=512, context=1024, question=32, answer=64,
+               concurrent=True):  # fmt: skip
     rng = random.Random(0)
     shared = tokens(rng, system)
     contexts = [shared + tokens(rng, context) for _ in range(users)]
@@ -139,14 +143,18 @@ def multiround(model, users=8, rounds=6, system=512, context=1024, question=32, 
         str(users),
     ]
 
+    histories = [list(ctx) for ctx in contexts]
+
+    async def turn(c, url, u, r, ttfts, outs):
+        histories[u] += questions[u][r]
+        ttft, out = await complete(c, url, histories[u], answer)
+        ttfts.append((r, ttft))
+        outs.append((u, r, out))
+        histories[u] += answers[u][r]  # the client's next prompt: ids for the answer's text
+
     async def user(c, url, u, ttfts, outs):
-        history = list(contexts[u])
         for r in range(rounds):
-            history += questions[u][r]
-            ttft, out = await complete(c, url, history, answer)
-            ttfts.append((r, ttft))
-            outs.append((u, r, out))
-            history += answers[u][r]  # the client's next prompt: ids for the answer's text
+            await turn(c, url, u, r, ttfts, outs)
 
     results = {}
     for name, flags in (("off", []), ("host", ["--kv-offloading-size", "2"])):
@@ -154,9 +162,16 @@ def multiround(model, users=8, rounds=6, system=512, context=1024, question=32, 
         try:
             ttfts, outs = [], []
 
+            histories[:] = [list(ctx) for ctx in contexts]
+
             async def run(url=server.url, ttfts=ttfts, outs=outs):
                 async with client() as c:
-                    await asyncio.gather(*(user(c, url, u, ttfts, outs) for u in range(users)))
+                    if concurrent:  # every user at once, each after its previous answer
+                        await asyncio.gather(*(user(c, url, u, ttfts, outs) for u in range(users)))
+                    else:  # one request at a time: user 0's round 1, user 1's round 1, ...
+                        for r in range(rounds):
+                            for u in range(users):
+                                await turn(c, url, u, r, ttfts, outs)
 
             t0 = time.perf_counter()
             asyncio.run(run())
@@ -172,11 +187,18 @@ def multiround(model, users=8, rounds=6, system=512, context=1024, question=32, 
         finally:
             server.stop()
     ratio = results["off"]["later"] / results["host"]["later"]
+    # One at a time, every batch is one request, so greedy output must not change; all at
+    # once, batches differ between the runs and bf16 greedy is not batch-invariant.
     same = results["off"]["outs"] == results["host"]["outs"]
-    print(f"multiround: rounds >= 2 mean TTFT {ratio:.2f}x lower with the host tier "
+    mode = "all users at once" if concurrent else "one request at a time"
+    print(f"multiround ({mode}): rounds >= 2 mean TTFT {ratio:.2f}x lower with the host tier "
           f"(greedy outputs identical: {same})")  # fmt: skip
     return {"rounds_ge2_ttft_off_s": results["off"]["later"], "rounds_ge2_ttft_host_s": results["host"]["later"],
             "ttft_ratio": ratio, "outputs_identical": same}  # fmt: skip
+
+
+def multiround_sequential(model):
+    return multiround(model, concurrent=False)
 
 
 # ---- redis --------------------------------------------------------------------------
@@ -218,6 +240,8 @@ def redis_shared(model, users=16, system=512, context=1024, question=32, answer=
     h, r = [t for t, _ in hit], [t for t, _ in recompute]
     mean_ratio = statistics.mean(h) / statistics.mean(r)
     worst = max(x / y for x, y in zip(h, r))
+    print("redis: TTFT per request (s), loading / recomputing: "
+          + ", ".join(f"{x:.2f}/{y:.2f}" for x, y in zip(h, r)))  # fmt: skip
     solo = statistics.mean(solo_hit) / statistics.mean(solo_cold)
     same = [o for _, o in hit] == [o for _, o in recompute]
     print(f"redis: {users} at once, mean TTFT {statistics.mean(h):.2f} s loading vs "
@@ -231,21 +255,23 @@ def redis_shared(model, users=16, system=512, context=1024, question=32, answer=
 
 
 # ---- unique ---------------------------------------------------------------------------
-def unique(model, n=64, prompt=512, output=128, c=16, rounds=2):
+def unique(model, n=64, prompt=512, output=128, c=16, rounds=3):
     from tests.redis_server import RedisServer
 
     redis = RedisServer(Path("/tmp"), maxmemory="4gb").start()
     base = ["--block-size", str(BLOCK), "--max-num-seqs", str(c)]
+    host = ["--kv-offloading-size", "2"]
     servers = {"off": Server(model, "unique_off", *base),
-               "on": Server(model, "unique_on", *base, "--kv-offloading-size", "2",
-                            "--kv-remote-url", redis.url)}  # fmt: skip
-    rates = {"off": [], "on": []}
+               "host": Server(model, "unique_host", *base, *host),
+               "host+redis": Server(model, "unique_redis", *base, *host, "--kv-remote-url", redis.url)}  # fmt: skip
+    rates = {name: [] for name in servers}
+    names = list(servers)
     try:
         rng = random.Random(2)
         for s in servers.values():
             asyncio.run(at_once(s.url, [tokens(rng, 64)], 4))
         for r in range(rounds):
-            for name in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            for name in names[r % 3 :] + names[: r % 3]:  # each first once: drift evens out
                 prompts = [tokens(rng, prompt) for _ in range(n)]  # all new: nothing hits
 
                 async def run(url=servers[name].url, prompts=prompts):
@@ -261,16 +287,22 @@ def unique(model, n=64, prompt=512, output=128, c=16, rounds=2):
                 t0 = time.perf_counter()
                 outs = asyncio.run(run())
                 rates[name].append(sum(len(o) for _, o in outs) / (time.perf_counter() - t0))
-        stored = servers["on"].metric("kv_offload_stored_bytes_total")
+        stored = servers["host+redis"].metric("kv_offload_stored_bytes_total")
     finally:
         for s in servers.values():
             s.stop()
         redis.kill()
-    ratio = statistics.mean(rates["on"]) / statistics.mean(rates["off"])
-    print(f"unique: 0% hits, {n} prompts of {prompt} tokens, c={c}: {statistics.mean(rates['on']):.1f} "
-          f"vs {statistics.mean(rates['off']):.1f} output tok/s, tiers on/off {ratio:.3f}x "
-          f"({stored / 2**20:.0f} MiB stored)")  # fmt: skip
-    return {"throughput_ratio": ratio, "rounds": rounds}
+    off = statistics.mean(rates["off"])
+    out = {"rounds": rounds}
+    for name in ("host", "host+redis"):
+        ratio = statistics.mean(rates[name]) / off
+        out[f"{name}_throughput_ratio"] = ratio
+        print(f"unique: 0% hits, {n} prompts of {prompt} tokens, c={c}: {name} "
+              f"{statistics.mean(rates[name]):.1f} vs off {off:.1f} output tok/s: {ratio:.3f}x "
+              f"(rounds: {', '.join(f'{x:.1f}' for x in rates[name])} vs "
+              f"{', '.join(f'{x:.1f}' for x in rates['off'])})")  # fmt: skip
+    print(f"unique: {stored / 2**20:.0f} MiB stored by host+redis (both tiers counted)")
+    return out
 
 
 def pct(values: list[float], q: int) -> float:
@@ -286,14 +318,14 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", default=None, help="default: the bundled SmolLM2-135M")
-    p.add_argument("--only", default="multiround,redis,unique")
+    p.add_argument("--only", default="multiround,sequential,redis,unique")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args()
     out = {}
     for part in args.only.split(","):
-        out[part] = {"multiround": multiround, "redis": redis_shared, "unique": unique}[part](
-            args.model
-        )
+        runs = {"multiround": multiround, "sequential": multiround_sequential,
+                "redis": redis_shared, "unique": unique}  # fmt: skip
+        out[part] = runs[part](args.model)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 

@@ -21,7 +21,12 @@ JSON, checked with errors naming the field.
       # steps take this times the cost model's time: a server measured slower than its
       # profile, e.g. by the KV it sends from inside a prefill step; default 1),
       # step_noise: false (a profiled group's steps take the fitted time exactly instead of
-      # straying as its profile's runs did)
+      # straying as its profile's runs did), kv_offload_tokens and kv_offload_gbs (a
+      # host-memory KV tier per instance: its capacity, and GB/s into the pool; sim/tiers.py)
+
+A KV tier shared by every instance (a Redis), behind each one's host tier if it has one:
+
+    kv_remote: {tokens: 50000000, bandwidth_gbs: 1.2, latency_ms: 0.5}
 
 Prefill/decode disaggregation: groups with `role: prefill` and `role: decode`, and a link
 between them (KV transfer time = bytes / bandwidth + latency, overlapped layer by layer):
@@ -49,6 +54,7 @@ from tandem.sim.specs import (
     kv_capacity_tokens,
     roofline_cost_model,
 )
+from tandem.sim.tiers import TierSpec
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,8 @@ class GroupSpec:
     step_s: float = 0.0  # host time per step outside the runner: added to each
     step_scale: float = 1.0  # its steps take this times the cost model's time
     request_s: float = 0.0  # host time a request costs once: added to its first step
+    kv_offload_tokens: int = 0  # a host-memory KV tier per instance (0: none)
+    kv_offload_gbs: float = 25.0  # its bandwidth into the KV pool
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,7 @@ class ClusterSpec:
     engine: dict = field(default_factory=dict)
     links: dict[tuple[str, str], Link] = field(default_factory=dict)  # (prefill, decode) groups
     prefill_router: str = "least_load"  # how prefill instances are picked (the proxy's way)
+    kv_remote: TierSpec | None = None  # a KV tier every instance shares (a Redis)
 
     @property
     def disaggregated(self) -> bool:
@@ -120,7 +129,8 @@ class ClusterSpec:
         if not groups:
             raise ValueError("cluster.groups: give at least one instance group")
         engine = dict(data.get("engine") or {})
-        unknown = set(engine) - {"max_num_seqs", "max_num_batched_tokens", "block_size"}
+        known = {"max_num_seqs", "max_num_batched_tokens", "block_size", "kv_offload_min_tokens"}
+        unknown = set(engine) - known
         if unknown:
             raise ValueError(f"cluster.engine: unknown setting(s) {sorted(unknown)}")
         links = _links(data.get("links") or [], groups)
@@ -134,7 +144,8 @@ class ClusterSpec:
             raise ValueError(
                 f"cluster.scheduling_policy must be one of {SCHEDULING_POLICIES}, got {policy!r}"
             )
-        return cls(model, groups, router, policy, engine, links, prefill_router)
+        remote = _remote_tier(data.get("kv_remote"))
+        return cls(model, groups, router, policy, engine, links, prefill_router, remote)
 
 
 def _group(g: dict, i: int, model: ModelSpec, base: Path) -> GroupSpec:
@@ -173,10 +184,32 @@ def _group(g: dict, i: int, model: ModelSpec, base: Path) -> GroupSpec:
     scale = g.get("step_scale", 1.0)
     if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0):
         raise ValueError(f"{where}.step_scale must be a number > 0, got {scale!r}")
+    offload, gbs = g.get("kv_offload_tokens", 0), g.get("kv_offload_gbs", 25.0)
+    if not (isinstance(offload, int) and not isinstance(offload, bool) and offload >= 0):
+        raise ValueError(f"{where}.kv_offload_tokens must be an integer >= 0, got {offload!r}")
+    if not (isinstance(gbs, (int, float)) and not isinstance(gbs, bool) and gbs > 0):
+        raise ValueError(f"{where}.kv_offload_gbs must be a number > 0, got {gbs!r}")
     return GroupSpec(g.get("name", f"group{i}"), count, cost, kv, hardware, tp,
                      float(g.get("price_per_hour", price)), role, caching,
                      host["latency_ms"] / 1000, noise, host["token_ms"] / 1000,
-                     host["step_ms"] / 1000, float(scale), host["request_ms"] / 1000)  # fmt: skip
+                     host["step_ms"] / 1000, float(scale), host["request_ms"] / 1000,
+                     offload, float(gbs))  # fmt: skip
+
+
+def _remote_tier(value) -> TierSpec | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"tokens", "bandwidth_gbs", "latency_ms"}:
+        raise ValueError("cluster.kv_remote: a mapping of tokens, bandwidth_gbs, latency_ms")
+    tokens, gbs, ms = value.get("tokens"), value.get("bandwidth_gbs"), value.get("latency_ms", 0)
+    if not (isinstance(tokens, int) and tokens > 0):
+        raise ValueError(f"cluster.kv_remote.tokens must be an integer > 0, got {tokens!r}")
+    for name, v in (("bandwidth_gbs", gbs), ("latency_ms", ms)):
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0) or (
+            name == "bandwidth_gbs" and not v > 0
+        ):
+            raise ValueError(f"cluster.kv_remote.{name} must be a number > 0, got {v!r}")
+    return TierSpec("redis", tokens, float(gbs), float(ms) / 1000)
 
 
 def _hardware(value, where: str) -> Hardware:

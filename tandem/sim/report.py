@@ -55,6 +55,10 @@ def summarize(sim: Simulation, records: list[Record], percentiles=(90, 99),
             "busy_seconds": busy,  # its instances' steps, host costs included
             "kv_tokens_per_instance": g.kv_tokens,
         }
+        tiers = [i.tiers for i in members if i.tiers is not None]
+        if tiers:  # prompt tokens its instances loaded from KV tiers instead of computing
+            groups[g.name]["kv_loaded_tokens"] = sum(t.stats.loaded_tokens for t in tiers)
+            groups[g.name]["kv_load_timeouts"] = sum(t.stats.timeouts for t in tiers)
     handed = [r for r in records if r.prefilled is not None and r.first_token is not None]
     if handed:  # disaggregated: where TTFT went, as the proxy's pd_handoff_stage_seconds
         stages = {"reserve": [r.reserved - r.request.arrival for r in handed],

@@ -53,6 +53,13 @@ class SimulatedRunner:
         self._seen: set[str] = set()  # requests whose arrival the host has paid for
         self.busy_seconds = 0.0  # virtual seconds spent computing, for utilisation
 
+    # KV tiers (sim/tiers.py time the loads): no bytes to move
+    def export_blocks(self, block_ids: list[int]) -> list[None]:
+        return [None] * len(block_ids)
+
+    def import_blocks(self, block_ids: list[int], payloads) -> None:
+        pass
+
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         self._seen.difference_update(plan.finished_ids)  # an empty plan may end requests too
         if plan.is_empty:

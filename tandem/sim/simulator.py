@@ -48,6 +48,7 @@ from tandem.engine.messages import EngineCoreRequest, KVTransferParams
 from tandem.router.policy import RouteRequest, WorkerState, build_policy
 from tandem.sim.cluster import ClusterSpec, GroupSpec
 from tandem.sim.runner import SimulatedRunner
+from tandem.sim.tiers import SimKVTiers, SimTier, TierSpec
 from tandem.sim.workload import SimRequest
 
 DEFAULT_ENGINE = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "block_size": 16}
@@ -84,24 +85,27 @@ class Record:
 
 
 class Instance:
-    def __init__(self, name: str, group: GroupSpec, cluster: ClusterSpec) -> None:
+    def __init__(self, name: str, group: GroupSpec, cluster: ClusterSpec, shared_tier=None) -> None:
         settings = DEFAULT_ENGINE | cluster.engine
         self.name, self.group = name, group
         self.clock = FakeClock()
         block_size = settings["block_size"]
-        kv = KVCacheManager(1 + group.kv_tokens // block_size, block_size, group.prefix_caching)
+        self.tiers = _kv_tiers(group, block_size, self.clock, settings, cluster, shared_tier)
+        hasher = self.tiers.hasher if self.tiers else None
+        kv = KVCacheManager(
+            1 + group.kv_tokens // block_size, block_size, group.prefix_caching, hasher=hasher
+        )
         config = SchedulerConfig(
             settings["max_num_seqs"], settings["max_num_batched_tokens"], MAX_MODEL_LEN
         )
         cost = group.cost_model
-        scheduler = Scheduler(
-            config, kv, self.clock, build_batch_policy(cluster.scheduling_policy, cost), cost
-        )
+        policy = build_batch_policy(cluster.scheduling_policy, cost)
+        scheduler = Scheduler(config, kv, self.clock, policy, cost, kv_source=self.tiers)
         noise = cost.noise if group.step_noise else ()
         self.runner = SimulatedRunner(cost, self.clock, noise, zlib.crc32(name.encode()),
                                       group.token_s, group.step_s, group.step_scale,
                                       group.request_s)  # fmt: skip
-        self.core = EngineCore(scheduler, self.runner, self.clock)
+        self.core = EngineCore(scheduler, self.runner, self.clock, kv_tiers=self.tiers)
         self.state = WorkerState(name, name)
         self.backlog: list[tuple[SimRequest, str]] = []  # decode: waiting for room to reserve
         self.index = 0  # its place in the simulation's list (the ready heap's tie-break)
@@ -120,15 +124,38 @@ class Instance:
         return self.state
 
 
+def _kv_tiers(group: GroupSpec, block_size: int, clock, settings, cluster, shared):
+    """The instance's KV tiers: its own host tier, then the cluster's shared one."""
+    tiers = []
+    if group.kv_offload_tokens and group.prefix_caching:
+        spec = TierSpec("host", group.kv_offload_tokens, group.kv_offload_gbs)
+        tiers.append(SimTier(spec, block_size, cluster.model.kv_bytes_per_token()))
+    if shared is not None and group.prefix_caching:
+        tiers.append(shared)
+    if not tiers:
+        return None
+    min_tokens = settings.get("kv_offload_min_tokens", 256)
+    return SimKVTiers(tiers, block_size, clock, min_tokens)
+
+
 class Simulation:
     def __init__(
         self, cluster: ClusterSpec, requests: list[SimRequest], processes: int = 1
     ) -> None:
         self.cluster = cluster
-        self.processes = processes  # a colocated cluster's instances may step in parallel
+        # A colocated cluster's instances may step in parallel, unless a shared KV tier
+        # makes them meet at every load and store.
+        self.processes = processes if cluster.kv_remote is None else 1
         self.requests = sorted(requests, key=lambda r: r.arrival)
+        shared = None
+        if cluster.kv_remote is not None:
+            block_size = (DEFAULT_ENGINE | cluster.engine)["block_size"]
+            shared = SimTier(cluster.kv_remote, block_size, cluster.model.kv_bytes_per_token())
+        self.shared_tier = shared
         self.instances = [
-            Instance(f"{g.name}-{i}", g, cluster) for g in cluster.groups for i in range(g.count)
+            Instance(f"{g.name}-{i}", g, cluster, shared)
+            for g in cluster.groups
+            for i in range(g.count)
         ]
         self.front = [i for i in self.instances if i.group.role != "prefill"]  # clients see
         self.prefill = [i for i in self.instances if i.group.role == "prefill"]
