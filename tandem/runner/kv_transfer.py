@@ -12,6 +12,8 @@ instance computing the prompt itself would."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from tandem.model.kv_quant import EIGHT_BIT, dequantize_kv, quantize_kv
@@ -121,16 +123,22 @@ def block_layout(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> str:
 def export_blocks(
     kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, block_ids: list[int]
 ) -> list[memoryview]:
-    """Each block's KV as stored (and an 8-bit cache's scales after it), a byte view per
-    block of one copy: [layers, 2, block_size, kv_heads, head_dim] then [layers, 2,
-    block_size, kv_heads]."""
-    idx = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    parts = [_bytes_of(kv_cache).index_select(2, idx).movedim(2, 0).reshape(len(block_ids), -1)]
-    if kv_scales is not None:
-        scales = _bytes_of(kv_scales).index_select(2, idx).movedim(2, 0)
-        parts.append(scales.reshape(len(block_ids), -1))
-    rows = torch.cat(parts, 1) if len(parts) > 1 else parts[0].contiguous()
-    array = rows.cpu().numpy()
+    """Each block's KV as stored, a byte view per block of one copy on the CPU: for each
+    layer, K then V, each [block_size, kv_heads, head_dim], followed by an 8-bit cache's
+    scales for them [block_size, kv_heads]."""
+    parts = _block_rows(kv_cache, kv_scales)
+    widths = [p.shape[2] for p in parts]
+    if kv_cache.device.type != "cpu":  # one gather on the device, one copy back
+        idx = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+        rows = torch.cat([p.index_select(1, idx) for p in parts], 2).movedim(1, 0).cpu()
+    else:  # one copy: each block's rows straight into its place (no intermediate gather)
+        rows = torch.empty(len(block_ids), parts[0].shape[0], sum(widths), dtype=torch.uint8)
+        for i, b in enumerate(block_ids):
+            start = 0
+            for p, w in zip(parts, widths):
+                rows[i, :, start : start + w] = p[:, b]
+                start += w
+    array = rows.reshape(len(block_ids), -1).numpy()
     return [memoryview(row) for row in array]
 
 
@@ -138,20 +146,26 @@ def import_blocks(
     kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, block_ids: list[int], payloads
 ) -> None:
     """Write payloads from `export_blocks` (of a cache of the same layout) into block_ids."""
-    if not block_ids:
-        return
-    kv_bytes = _bytes_of(kv_cache)
-    layers, two, _, bs, kvh, width = kv_bytes.shape
-    n = len(block_ids)
-    rows = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(n, -1)
-    kv_size = layers * two * bs * kvh * width
-    idx = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    kv = rows[:, :kv_size].reshape(n, layers, two, bs, kvh, width).movedim(0, 2)
-    kv_bytes.index_copy_(2, idx, kv.to(kv_cache.device))
+    parts = _block_rows(kv_cache, kv_scales)
+    widths = [p.shape[2] for p in parts]
+    shape = (parts[0].shape[0], sum(widths))
+    with warnings.catch_warnings():  # read-only payloads are only read
+        warnings.filterwarnings("ignore", "The given buffer is not writable")
+        for b, payload in zip(block_ids, payloads):
+            row = torch.frombuffer(payload, dtype=torch.uint8).view(shape)
+            start = 0
+            for p, w in zip(parts, widths):
+                p[:, b] = row[:, start : start + w].to(p.device)
+                start += w
+
+
+def _block_rows(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> list[torch.Tensor]:
+    """The pool (and an 8-bit pool's scales) as bytes [layers * 2, blocks, bytes a block]."""
+    layers, two, blocks = kv_cache.shape[:3]
+    parts = [_bytes_of(kv_cache).view(layers * two, blocks, -1)]
     if kv_scales is not None:
-        scale_bytes = _bytes_of(kv_scales)
-        scales = rows[:, kv_size:].reshape(n, *scale_bytes.shape[:2], *scale_bytes.shape[3:])
-        scale_bytes.index_copy_(2, idx, scales.movedim(0, 2).to(kv_cache.device))
+        parts.append(_bytes_of(kv_scales).view(layers * two, blocks, -1))
+    return parts
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
