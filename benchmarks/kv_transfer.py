@@ -18,7 +18,7 @@ import time
 import torch
 import zmq
 
-from tandem.disagg.connector import KVReceiver, KVSender
+from tandem.kv_transfer.connector import KVReceiver, KVSender
 
 
 def tandem_seconds(kv: torch.Tensor, cache: torch.Tensor | None) -> float:

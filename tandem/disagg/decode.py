@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 import time
 
-from tandem.disagg.connector import KVReceiver
-from tandem.disagg.wire import TransferDone
 from tandem.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
+from tandem.kv_transfer.connector import KVReceiver
+from tandem.kv_transfer.wire import TransferDone
 
 log = logging.getLogger("tandem")
 

@@ -14,7 +14,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem.disagg.curve import generate
+    from tandem.kv_transfer.curve import generate
 
     public, secret = generate(args.folder, args.name)
     print(f"public key: {public} (give it to the peers)")

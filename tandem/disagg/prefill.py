@@ -18,8 +18,8 @@ import logging
 
 from tandem.core.runner import RunnerOutput
 from tandem.core.scheduler import ScheduledRequest, SchedulerOutput
-from tandem.disagg.connector import KVSender, KVSendError
-from tandem.disagg.wire import TransferDone
+from tandem.kv_transfer.connector import KVSender, KVSendError
+from tandem.kv_transfer.wire import TransferDone
 
 log = logging.getLogger("tandem")
 

@@ -60,7 +60,7 @@ class EngineCoreProc:
         self.inbox, self.outbox = inbox, outbox
         self.parent_pid = parent_pid
         self.kv = kv  # disagg.decode.KVReceiving on a decode instance
-        self.sender = sender  # disagg.connector.KVSender on a prefill instance
+        self.sender = sender  # kv_transfer.connector.KVSender on a prefill instance
         self.poller = zmq.Poller()
         self.poller.register(inbox, zmq.POLLIN)
         if kv is not None:
@@ -303,20 +303,20 @@ def _role(core, loaded, config):
     """The KV side of a prefill or decode instance: (KVReceiving | None, KVSender | None)."""
     num_layers = loaded.model_config.num_layers
     if config.role == "prefill":
-        from tandem.disagg.connector import KVSender
         from tandem.disagg.prefill import KVSendingRunner
+        from tandem.kv_transfer.connector import KVSender
 
         keys = None
         if config.kv_secret_key:
-            from tandem.disagg.curve import SenderKeys
+            from tandem.kv_transfer.curve import SenderKeys
 
             keys = SenderKeys(config.kv_secret_key, config.kv_peer_keys)
         sender = KVSender(keys=keys)
         core.runner = KVSendingRunner(core.runner, sender, num_layers)
         return None, sender
     if config.role == "decode":
-        from tandem.disagg.connector import KVReceiver
         from tandem.disagg.decode import KVReceiving
+        from tandem.kv_transfer.connector import KVReceiver
 
         try:
             receiver = KVReceiver(f"tcp://{config.kv_host}:{config.kv_port}",

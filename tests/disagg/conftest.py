@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.disagg.curve import generate
+from tandem.kv_transfer.curve import generate
 from tests.router.conftest import FrontEnd
 from tests.server.conftest import Server, metrics
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from tandem.disagg.connector import Assembler, KVReceiver, KVSender
+from tandem.kv_transfer.connector import Assembler, KVReceiver, KVSender
 
 
 def _kv(seed: int, layers=3, tokens=5, heads=2, dim=4, dtype=torch.float32) -> torch.Tensor:
@@ -54,7 +54,7 @@ def test_a_transfer_missing_layers_is_expired_not_kept(pair):
     got = _collect(receiver, 2)
     assert set(got) == {"whole", "cut"}
     # a sender that dies after the first layer of three
-    from tandem.disagg.wire import encode_layer
+    from tandem.kv_transfer.wire import encode_layer
 
     sock = sender._socket(receiver.address)
     sock.send_multipart(encode_layer("stalled", 0, 3, 0, kv[0, 0], kv[0, 1]), copy=False)

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandem.cli import main
-from tandem.disagg.connector import Assembler, KVReceiver, KVSender, KVSendError
-from tandem.disagg.curve import SenderKeys
-from tandem.disagg.wire import LayerHeader, decode_layer, encode_layer
+from tandem.kv_transfer.connector import Assembler, KVReceiver, KVSender, KVSendError
+from tandem.kv_transfer.curve import SenderKeys
+from tandem.kv_transfer.wire import LayerHeader, decode_layer, encode_layer
 from tests.disagg.test_connector import _collect, _kv
 
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.disagg.connector import KVReceiver, KVSender
 from tandem.disagg.decode import KVReceiving
 from tandem.disagg.prefill import KVSendingRunner
-from tandem.disagg.wire import TransferDone
 from tandem.engine.messages import EngineCoreRequest, KVTransferParams
+from tandem.kv_transfer.connector import KVReceiver, KVSender
+from tandem.kv_transfer.wire import TransferDone
 
 PROMPT = [(7 * i + 3) % 300 + 5 for i in range(37)]
 

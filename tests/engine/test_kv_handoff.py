@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.disagg.wire import decode_layer, encode_layer
 from tandem.engine.messages import EngineCoreRequest
+from tandem.kv_transfer.wire import decode_layer, encode_layer
 
 MAX_TOKENS = 12
 

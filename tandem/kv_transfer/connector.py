@@ -26,8 +26,14 @@ import msgspec
 import torch
 import zmq
 
-from tandem.disagg.curve import SenderKeys, secure_receiver
-from tandem.disagg.wire import TransferDone, decode_done, decode_layer, encode_done, encode_layer
+from tandem.kv_transfer.curve import SenderKeys, secure_receiver
+from tandem.kv_transfer.wire import (
+    TransferDone,
+    decode_done,
+    decode_layer,
+    encode_done,
+    encode_layer,
+)
 
 
 class KVSendError(RuntimeError):
