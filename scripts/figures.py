@@ -35,6 +35,8 @@ ROWS = {
     "slo-attainment": "SLO scheduling at saturation: interactive requests within TTFT and TPOT",
     "structured-output-c64": "JSON-schema output vs the same tokens unconstrained, 64 concurrent: tok/s",
     "prefix-cache-ttft": "Prefix cache on vs off, 1,024 shared prompt tokens: mean TTFT",
+    "kv-tiers-host": "Host KV tier, multi-round QA past the pool, one at a time: TTFT of rounds >= 2",
+    "kv-tiers-redis": "Redis KV tier, a second instance's 16 concurrent hits vs recomputing: mean TTFT",
 }
 # CPU kinds as columns, in this order (others after them, by name).
 KINDS = ("amd-epyc-avx512-bf16", "intel-xeon-amx", "amd-epyc-avx2")
