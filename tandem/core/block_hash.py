@@ -33,6 +33,20 @@ def chain_hash(parent: bytes, tokens: list[int]) -> bytes:
 class BlockHasher:
     def __init__(self, seed: bytes, block_size: int) -> None:
         self.seed, self.block_size = seed, block_size
+        # LoRA adapters by id -> the root of their chains: the model's seed and the adapter's
+        # own digest (of its weights), so an adapter's KV has one name in every instance
+        # that loads it, under whatever id, and never another adapter's or the base model's.
+        self._adapters: dict[int, bytes] = {}
+
+    def add_adapter(self, lora_id: int, digest: bytes) -> None:
+        self._adapters[lora_id] = model_seed(self.seed, digest)
+
+    def remove_adapter(self, lora_id: int) -> None:
+        self._adapters.pop(lora_id, None)
+
+    def covers(self, lora_id: int) -> bool:
+        """Whether requests of this adapter (0: the base model) have names."""
+        return not lora_id or lora_id in self._adapters
 
     def hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """The hashes of the request's first num_blocks full blocks, extending (and kept
@@ -41,7 +55,7 @@ class BlockHasher:
         if len(out) >= num_blocks:
             return out[:num_blocks]
         tokens = request.all_token_ids
-        parent = out[-1] if out else self.seed
+        parent = out[-1] if out else self._adapters.get(request.lora_id, self.seed)
         for i in range(len(out), min(num_blocks, len(tokens) // bs)):
             parent = chain_hash(parent, tokens[i * bs : (i + 1) * bs])
             out.append(parent)

@@ -175,8 +175,8 @@ class KVCacheManager:
                 cursor.stopped = True
                 break
             cursor.node, cursor.num_blocks = node, i + 1
-            # Adapters' KV stays in the pool: an adapter's id is local to this process.
-            if store and self.hasher is not None and not request.lora_id:
+            # An adapter the hasher has no digest of keeps its KV in the pool.
+            if store and self.hasher is not None and self.hasher.covers(request.lora_id):
                 self._stores.append((block_id, self.hasher.hashes(request, i + 1)[i]))
 
     # ---- release -------------------------------------------------------------------

@@ -347,7 +347,7 @@ class Scheduler:
     # ---- KV loaded from a tier (core/kv_load.py) -------------------------------------------
     def num_loadable(self, req: Request, num_cached: int) -> int:
         """Tokens after the first num_cached whose KV a tier can load (0: none, or no tiers)."""
-        if self.kv_source is None or req.lora_id:  # an adapter's id names nothing elsewhere
+        if self.kv_source is None or not self.kv.hasher.covers(req.lora_id):
             return 0
         bs = self.kv.block_size
         end = (req.num_tokens - 1) // bs * bs  # the last token is computed, for its logits

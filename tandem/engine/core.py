@@ -354,6 +354,8 @@ class EngineCore:
         """Register an adapter `read_lora` returned, under its id."""
         self.runner.add_lora(lora_id, weights)
         self.lora_ids.add(lora_id)
+        if self.kv_tiers is not None:  # its KV named by its weights, for the tiers
+            self.scheduler.kv.hasher.add_adapter(lora_id, weights.digest())
 
     def remove_lora(self, lora_id: int) -> None:
         users = sum(r.lora_id == lora_id for r in self.scheduler.requests.values())
@@ -361,6 +363,8 @@ class EngineCore:
             raise ValueError(f"lora: adapter {lora_id} is in use by {users} request(s)")
         self.runner.remove_lora(lora_id)
         self.lora_ids.discard(lora_id)
+        if self.kv_tiers is not None:
+            self.scheduler.kv.hasher.remove_adapter(lora_id)
         self.scheduler.kv.purge_lora(lora_id)  # its KV goes with it: the id may be reused
 
     def reset_prefix_cache(self) -> int:

@@ -11,6 +11,7 @@ is refused with a ValueError naming it; nothing is half-loaded.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -47,6 +48,15 @@ class AdapterWeights:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.pairs.values())
+
+    def digest(self) -> bytes:
+        """A name for these weights (the KV tiers key an adapter's KV by it)."""
+        h = hashlib.blake2b(repr(self.rank).encode(), digest_size=16)
+        for key in sorted(self.pairs):
+            h.update(repr(key).encode())
+            for t in self.pairs[key]:
+                h.update(t.contiguous().view(torch.uint8).numpy())
+        return h.digest()
 
 
 def shard_shapes(cfg: ModelConfig) -> dict[str, list[tuple[int, int]]]:

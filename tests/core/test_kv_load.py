@@ -133,7 +133,7 @@ def test_loading_requests_hold_seats():
     assert other.is_finished
 
 
-def test_an_adapter_request_neither_loads_nor_stores():
+def test_an_adapter_without_a_digest_neither_loads_nor_stores():
     tiers = FakeTiers(block_size=4)
     h = Harness(block_size=4, tiers=tiers)
     computed_then_evicted(h)
@@ -159,3 +159,24 @@ def test_a_preempted_loaded_request_loads_again():
     h.finish_loads()
     h.run_to_completion()
     assert r.num_cached_tokens == 40 and r.num_output_tokens == 12
+
+
+def test_an_adapters_blocks_are_named_by_its_digest_apart_from_the_base_models():
+    tiers = FakeTiers(block_size=4)
+    h = Harness(block_size=4, tiers=tiers)
+    tiers.hasher.add_adapter(3, b"adapter weights digest")
+    base = h.add(PROMPT, max_tokens=1)
+    adapted = h.add(PROMPT, max_tokens=1, lora_id=3)
+    stored = []
+    while h.sched.has_unfinished():
+        plan, _ = h.step()
+        stored += [x for _, x in plan.kv_stores]
+    assert len(set(stored)) == 20  # both requests' 10 blocks: the adapter's match no base ones
+    assert set(base.block_hashes).isdisjoint(adapted.block_hashes)
+    h.kv.reset_prefix_cache()
+    again = h.add(PROMPT + [1], max_tokens=1, lora_id=3)
+    plan, _ = h.step()
+    assert plan.kv_loads[0].hashes == adapted.block_hashes
+    h.finish_loads()
+    h.run_to_completion()
+    assert again.num_cached_tokens == 40

@@ -204,3 +204,30 @@ def test_an_adapter_loaded_under_a_removed_ones_id_never_hits_its_kv(
     assert kv.stats.hits == before  # nothing of the removed adapter's KV was served
     assert out.outputs[0].token_ids == hf_greedy(peft_models("attn"), prompt, 16)[0]
     assert_all_released(llm)
+
+
+def test_an_adapters_kv_reaches_a_restarted_engine_through_a_disk_tier_under_another_id(
+    checkpoints, adapters, tmp_path
+):
+    """The tiers name an adapter's KV by its weights, not by the id a process gave it: a
+    restarted engine that loads the adapter under another id hits; another adapter and the
+    base model never do; outputs equal an engine without tiers."""
+    prompt = [(9 * i + 4) % 200 + 3 for i in range(45)]
+    flags = dict(block_size=4, kv_disk_dir=str(tmp_path / "kv"), kv_offload_min_tokens=8)
+    reference = lora_llm(checkpoints, max_loras=2).generate(
+        [prompt], GREEDY, use_tqdm=False, lora_request=LoRARequest("all", 1, str(adapters["all"]))
+    )[0]
+    first = lora_llm(checkpoints, max_loras=2, **flags)
+    out = first.generate([prompt], GREEDY, use_tqdm=False,
+                         lora_request=LoRARequest("all", 1, str(adapters["all"])))[0]  # fmt: skip
+    assert out.outputs[0].token_ids == reference.outputs[0].token_ids
+    first.engine.kv_tiers.flush()
+    restarted = lora_llm(checkpoints, max_loras=2, **flags)
+    other = restarted.generate([prompt], GREEDY, use_tqdm=False,
+                               lora_request=LoRARequest("attn", 1, str(adapters["attn"])))[0]  # fmt: skip
+    base = restarted.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert other.num_cached_tokens == 0 and base.num_cached_tokens == 0  # never its KV
+    again = restarted.generate([prompt], GREEDY, use_tqdm=False,
+                               lora_request=LoRARequest("all", 2, str(adapters["all"])))[0]  # fmt: skip
+    assert again.num_cached_tokens == 44  # all but the last token, loaded under id 2
+    assert again.outputs[0].token_ids == reference.outputs[0].token_ids
