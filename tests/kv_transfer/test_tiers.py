@@ -132,3 +132,44 @@ def test_a_disk_tier_whose_directory_is_gone_drops_stores(tmp_path):
     where.write_text("not a directory any more")
     tier.put(blocks(1))
     assert tier.stats.errors == 1 and len(tier) == 0
+
+
+def test_a_redis_killed_in_the_middle_of_a_read_is_a_miss_not_an_error(redis_server):
+    import threading
+
+    import redis
+
+    tier = RedisTier(redis_server.url, LAYOUT, timeout_s=2.0, retry_s=0.2)
+    items = blocks(8, size=1 << 16)
+    tier.put(items)
+    hashes = [h for h, _ in items]
+    # Another client holds the single-threaded server busy: our MGET is sent and waits.
+    sleeper = threading.Thread(
+        target=lambda: _ignore_errors(
+            lambda: redis.Redis.from_url(redis_server.url).execute_command("DEBUG", "SLEEP", "5")
+        )
+    )
+    sleeper.start()
+    time.sleep(0.2)
+    result = {}
+    reader = threading.Thread(target=lambda: result.update(got=tier.get(hashes)))
+    t0 = time.monotonic()
+    reader.start()
+    time.sleep(0.3)
+    assert reader.is_alive()  # mid-read
+    redis_server.kill()
+    reader.join(5)
+    sleeper.join(5)
+    assert result["got"] == [None] * 8 and time.monotonic() - t0 < 2.5
+    assert tier.stats.errors == 1 and tier.stats.misses == 8
+    redis_server.start()
+    time.sleep(0.3)
+    tier.put(items)
+    assert [bytes(p) for p in tier.get(hashes)] == [p for _, p in items]
+
+
+def _ignore_errors(call) -> None:
+    try:
+        call()
+    except Exception:
+        pass
