@@ -31,12 +31,13 @@ import json
 import random
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from tandem.bench.servers import ManagedServer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -49,26 +50,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
+class Server(ManagedServer):
+    """`tandem serve` on a free loopback port, started and ready."""
+
     def __init__(self, model: str | None, name: str, *flags: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = Path(f"/tmp/kv_tiers_{name}.log")
+        port = free_port()
         cmd = [sys.executable, "-m", "tandem.cli", "serve", *([model] if model else []),
-               "--port", str(self.port), "--disable-uvicorn-access-log", *flags]  # fmt: skip
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=open(self.log, "w"), stderr=subprocess.STDOUT
-        )
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                sys.exit(f"server {name} failed:\n{self.log.read_text()[-3000:]}")
-            time.sleep(0.5)
+               "--port", str(port), "--disable-uvicorn-access-log", *flags]  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        super().__init__(name, cmd, url, Path(f"/tmp/kv_tiers_{name}.log"))
+        self.url = url
+        self.start()
+        self.wait_ready(600)
 
     def metric(self, name: str) -> float:
         total = 0.0
@@ -76,13 +69,6 @@ class Server:
             if line.startswith(f"tandem:{name}"):
                 total += float(line.rsplit(" ", 1)[1])
         return total
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 async def complete(client, url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[str]]:

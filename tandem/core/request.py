@@ -83,7 +83,6 @@ class Request:
         self.grammar = None
         # Its full blocks' hashes (core/block_hash.py), computed as the KV tiers need them.
         self.block_hashes: list[bytes] = []
-        self.num_loaded_tokens = 0  # prompt tokens loaded from a KV tier at admission
 
     @property
     def num_tokens(self) -> int:

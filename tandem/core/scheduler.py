@@ -386,7 +386,6 @@ class Scheduler:
             return None
         req.num_computed_tokens += num_loaded
         if req.num_preemptions == 0:
-            req.num_loaded_tokens = num_loaded
             req.num_cached_tokens += num_loaded  # reported as cached, as a device hit is
         self.kv.publish(req, req.num_computed_tokens, store=False)
         req.status = RequestStatus.RUNNING

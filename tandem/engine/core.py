@@ -229,19 +229,22 @@ class EngineCore:
     # ---- KV tiers -----------------------------------------------------------------------
     def _finish_kv_loads(self) -> None:
         """Import the loads that ended; their requests run on from what arrived."""
-        bs = self.scheduler.kv.block_size
         for load, payloads in self.kv_tiers.finished():
             if load.request_id not in self.scheduler.loading:
                 continue  # aborted while it loaded
-            n = len(payloads)
-            if n:
-                try:
-                    self.runner.import_blocks(load.block_ids[:n], payloads)
-                except Exception:
-                    log.exception("request %s: importing its KV failed", load.request_id)
-                    n = 0
-            self.scheduler.finish_load(load.request_id, n * bs)
+            self.scheduler.finish_load(load.request_id, self._import_load(load, payloads))
             self.stalled = False
+
+    def _import_load(self, load, payloads: list) -> int:
+        """Write a load's arrived blocks into the request's own; -> the tokens written."""
+        if not payloads:
+            return 0
+        try:
+            self.runner.import_blocks(load.block_ids[: len(payloads)], payloads)
+        except Exception:
+            log.exception("request %s: importing its KV failed", load.request_id)
+            return 0
+        return len(payloads) * self.scheduler.kv.block_size
 
     def _store_kv(self, stores: list[tuple[int, bytes]]) -> None:
         try:
@@ -274,16 +277,8 @@ class EngineCore:
         if not n:
             return 0
         load = self.scheduler.kv_load(request, num_cached, n)
-        payloads = self.kv_tiers.load_now(load)
-        if payloads:
-            try:
-                self.runner.import_blocks(load.block_ids[: len(payloads)], payloads)
-            except Exception:
-                log.exception("request %s: importing its KV failed", request.request_id)
-                return 0
-        loaded = len(payloads) * self.scheduler.kv.block_size
+        loaded = self._import_load(load, self.kv_tiers.load_now(load))
         request.num_computed_tokens += loaded  # the KV the sender sends starts after it
-        request.num_loaded_tokens = loaded
         request.num_cached_tokens += loaded
         return loaded
 

@@ -29,7 +29,7 @@ from dataclasses import replace
 from tandem.core.block_hash import BlockHasher
 from tandem.core.kv_load import KVLoad
 from tandem.core.request import Request
-from tandem.kv_transfer.tiers import LoadStats, TierStats
+from tandem.kv_transfer.tiers import LoadStats, TierStats, loadable_tokens
 
 log = logging.getLogger("tandem")
 
@@ -75,12 +75,7 @@ class KVTiers:
         if memo is not None and now - memo[0] < _MEMO_SECONDS:
             return memo[1]
         hashes = self.hasher.hashes(request, last)[first:]
-        n = 0
-        for tier in self.tiers:  # each takes up where a faster one ran out
-            n += tier.contains(hashes[n:])
-            if n == len(hashes):
-                break
-        tokens = n * bs if n * bs >= self.min_tokens else 0
+        tokens = loadable_tokens(self.tiers, hashes, bs, self.min_tokens)
         self.stats.lookups += 1
         self.stats.lookup_hits += bool(tokens)
         self._memo[key] = (now, tokens)

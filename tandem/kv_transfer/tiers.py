@@ -14,6 +14,7 @@ with its hash, layout and checksum); host memory keeps payloads as they are.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -25,6 +26,22 @@ from pathlib import Path
 from tandem.kv_transfer.entry import pack, unpack
 
 log = logging.getLogger("tandem")
+
+
+def leading_run(present) -> int:
+    """How many of `present` (truths, in order) are true before the first false."""
+    return sum(1 for _ in itertools.takewhile(bool, present))
+
+
+def loadable_tokens(tiers, hashes: list[bytes], block_size: int, min_tokens: int) -> int:
+    """Tokens of the blocks named by hashes, from the first, that the tiers hold together
+    (each taking up where a faster one ran out); 0 when fewer than min_tokens."""
+    n = 0
+    for tier in tiers:
+        if n == len(hashes):
+            break
+        n += tier.contains(hashes[n:])
+    return n * block_size if n * block_size >= min_tokens else 0
 
 
 @dataclass
@@ -67,12 +84,7 @@ class HostTier:
         return len(self._entries)
 
     def contains(self, hashes: list[bytes]) -> int:
-        n = 0
-        for h in hashes:  # a dict lookup each: no lock needed for reading
-            if h not in self._entries:
-                break
-            n += 1
-        return n
+        return leading_run(h in self._entries for h in hashes)  # dict reads: no lock
 
     def get(self, hashes: list[bytes]) -> list:
         t0, out = time.perf_counter(), []
@@ -142,12 +154,7 @@ class DiskTier:
         return self.dir / f"{h.hex()}{self.SUFFIX}"
 
     def contains(self, hashes: list[bytes]) -> int:
-        n = 0
-        for h in hashes:
-            if h not in self._index:
-                break
-            n += 1
-        return n
+        return leading_run(h in self._index for h in hashes)
 
     def get(self, hashes: list[bytes]) -> list:
         t0, out = time.perf_counter(), []
@@ -280,12 +287,7 @@ class RedisTier:
         except self._errors as e:
             self._failed("lookup", e)
             return 0
-        n = 0
-        for present in found:
-            if not present:
-                break
-            n += 1
-        return n
+        return leading_run(found)
 
     def get(self, hashes: list[bytes]) -> list:
         if not hashes:

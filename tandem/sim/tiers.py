@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from tandem.core.block_hash import BlockHasher, model_seed
 from tandem.core.kv_load import KVLoad
-from tandem.kv_transfer.tiers import LoadStats, TierStats
+from tandem.kv_transfer.tiers import LoadStats, TierStats, leading_run, loadable_tokens
 
 
 @dataclass(frozen=True)
@@ -46,10 +46,7 @@ class SimTier:
         return len(self.blocks)
 
     def contains(self, hashes: list[bytes]) -> int:
-        n = 0
-        while n < len(hashes) and hashes[n] in self.blocks:
-            n += 1
-        return n
+        return leading_run(h in self.blocks for h in hashes)
 
     def read(self, hashes: list[bytes]) -> float:
         """Seconds to load these blocks (all present); counted as hits."""
@@ -94,10 +91,7 @@ class SimKVTiers:
         if (last - first) * bs < self.min_tokens:
             return 0
         hashes = self.hasher.hashes(request, last)[first:]
-        n = 0
-        for tier in self.tiers:
-            n += tier.contains(hashes[n:])
-        tokens = n * bs if n * bs >= self.min_tokens else 0
+        tokens = loadable_tokens(self.tiers, hashes, bs, self.min_tokens)
         self.stats.lookups += 1
         self.stats.lookup_hits += bool(tokens)
         return tokens
