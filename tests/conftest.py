@@ -113,7 +113,8 @@ def build_tokenizer(folder: Path):
     return fast
 
 
-def build_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
+def build_checkpoint(folder: Path, arch: str, seed: int = 0, **overrides) -> Path:
+    """overrides: config.json fields in place of ARCH_CONFIGS[arch]'s."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -121,6 +122,7 @@ def build_checkpoint(folder: Path, arch: str, seed: int = 0) -> Path:
     tok = build_tokenizer(folder)
     cfg_dict = dict(
         ARCH_CONFIGS[arch],
+        **overrides,
         vocab_size=len(tok),
         max_position_embeddings=1024,
         bos_token_id=tok.bos_token_id,

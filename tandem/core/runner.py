@@ -53,3 +53,8 @@ class Runner(Protocol):
         drop any per-request state of `plan.finished_ids`. An empty plan is valid: it only
         releases state."""
         ...
+
+
+class RankFailed(RuntimeError):
+    """A rank of a distributed runner died, stopped answering, or left the ranks out of step:
+    no later step can run. The engine does not retry it; the engine core exits with it."""

@@ -216,6 +216,46 @@ class EngineConfig:
         "another process that builds them (it says so every few seconds); past them the "
         "kernels not built run on the torch path and the start goes on",
     )
+    tensor_parallel_size: int = _flag(
+        1,
+        "ranks each layer is split over (Megatron: heads and MLP columns), each its own "
+        "process with its share of the weights and KV; on torch.distributed (gloo)",
+        aliases=("-tp",),
+    )
+    pipeline_parallel_size: int = _flag(
+        1, "stages the layers are split into, each on its own ranks", aliases=("-pp",)
+    )
+    distributed_executor_backend: str = _flag(
+        "mp",
+        "how ranks past the first start: mp (processes on this node; with --nnodes, a "
+        "`--headless` server on each other node) or ray (actors on the Ray cluster this "
+        "process joins, placed one rank a CPU bundle)",
+        choices=("mp", "ray"),
+    )
+    nnodes: int = _flag(1, "nodes the ranks run on (mp backend); ranks split evenly")
+    node_rank: int = _flag(0, "this node's index, 0 to nnodes - 1 (0 runs the server)")
+    master_addr: str = _flag(
+        "127.0.0.1", "address of node 0, where the ranks meet (torch.distributed's store)"
+    )
+    master_port: int = _flag(
+        0, "port of that store (0: a free one on one node; with --nnodes, 29500)"
+    )
+    headless: bool = _flag(
+        False, "run this node's ranks only, for the server on node 0 (with --node-rank >= 1)"
+    )
+    cpu_threads_bind: str = _flag(
+        "auto",
+        "CPUs of each of this node's ranks, as VLLM_CPU_OMP_THREADS_BIND: auto (this "
+        "process's CPUs split evenly), none, or a list per rank such as 0-3|4-7",
+    )
+    distributed_timeout: float = _flag(
+        30.0,
+        "seconds a collective (all-reduce, gather, a stage's activations) may wait for a rank; "
+        "past them the server fails its requests and exits",
+    )
+    distributed_start_timeout: float = _flag(
+        120.0, "seconds a start waits for every rank to join, and then to load its weights"
+    )
     trust_remote_code: bool = _flag(
         False,
         "accepted for vLLM's scripts; no remote code is ever run (architectures are built in)",
@@ -274,6 +314,7 @@ class EngineConfig:
                 f"kv_transfer_timeout must be > 0 (seconds), got {self.kv_transfer_timeout!r}"
             )
         self._check_kv_tiers()
+        self._check_parallel()
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
@@ -298,6 +339,46 @@ class EngineConfig:
     @property
     def kv_tiers_on(self) -> bool:
         return bool(self.kv_offloading_size or self.kv_disk_dir or self.kv_remote_url)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self._check_choice("distributed_executor_backend", ("mp", "ray"))
+        if not (isinstance(self.node_rank, int) and 0 <= self.node_rank < self.nnodes):
+            raise ValueError(f"node_rank must be in [0, nnodes - 1 = {self.nnodes - 1}], got {self.node_rank!r}")  # fmt: skip
+        if self.world_size % self.nnodes:
+            raise ValueError(f"nnodes: {self.world_size} ranks (tensor x pipeline parallel size) do not split evenly over {self.nnodes} nodes")  # fmt: skip
+        if self.headless and self.node_rank == 0:
+            raise ValueError("headless: node 0 runs the server; --headless is for --node-rank >= 1")  # fmt: skip
+        if not (isinstance(self.master_port, int) and 0 <= self.master_port <= 65535):
+            raise ValueError(f"master_port must be an integer in [0, 65535], got {self.master_port!r}")  # fmt: skip
+        for name in ("distributed_timeout", "distributed_start_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 (seconds), got {getattr(self, name)!r}")
+        if self.world_size == 1:
+            return
+        spec = self.speculative_config
+        whole_kv = "reads a request's whole KV, which the ranks hold in shares"
+        unsupported = {
+            "role": (self.role != "both", f"a prefill or decode role {whole_kv}"),
+            "kv_offloading_size": (self.kv_tiers_on, f"the KV tiers' copy {whole_kv}"),
+            "enable_lora": (self.enable_lora, "adapters are not split over ranks"),
+            "speculative_config": (spec is not None and spec.method == "draft_model",
+                                   "the draft model is not split over ranks (ngram is)"),
+            "device": (self.device.startswith("cuda"), "ranks run on the CPU (gloo)"),
+        }  # fmt: skip
+        for name, (on, why) in unsupported.items():
+            if on:
+                raise ValueError(
+                    f"{name}: not supported with tensor or pipeline parallelism yet ({why}); "
+                    "run it with tensor_parallel_size and pipeline_parallel_size 1"
+                )
 
     def _check_kv_tiers(self) -> None:
         for name in ("kv_offloading_size", "kv_disk_size"):

@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable
 
 from tandem.core.request import Request, RequestStatus
-from tandem.core.runner import Runner, RunnerOutput
+from tandem.core.runner import RankFailed, Runner, RunnerOutput
 from tandem.core.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 
@@ -147,6 +147,8 @@ class EngineCore:
         try:
             result = self.runner.execute(plan)  # an empty plan still releases finished state
             errors = dict(result.errors)
+        except RankFailed:  # a split model's rank is gone: no step can run again
+            raise
         except Exception:
             log.exception("a step of %d requests failed; retrying each alone", len(plan.scheduled))
             result, errors = self._execute_one_by_one(plan)
@@ -204,6 +206,8 @@ class EngineCore:
             finished_ids = []
             try:
                 result = self.runner.execute(alone)
+            except RankFailed:
+                raise
             except Exception as e:
                 log.exception("request %s failed in the runner", s.request.request_id)
                 errors[s.request.request_id] = f"{type(e).__name__}: {e}"

@@ -107,6 +107,7 @@ class EngineCoreProc:
                 handled += self._finish_loads()
                 handled += self._finish_compiles()
                 self._exit_if_orphaned()
+                self._check_ranks()
         else:
             self._exit_if_orphaned()
         if self.kv is not None:
@@ -219,6 +220,13 @@ class EngineCoreProc:
         self.rejected, self.reserved, self.pending, self.lora_results = [], [], [], []
         self.outbox.send(self.encoder.encode(msg), copy=False)
 
+    def _check_ranks(self) -> None:
+        """An idle server with a split model still notices a rank that died (RankFailed
+        ends the loop, and the server with it)."""
+        check = getattr(self.core.runner, "check_alive", None)
+        if check is not None:
+            check()
+
     def _exit_if_orphaned(self) -> None:
         if os.getppid() != self.parent_pid:
             log.warning("engine core: the server (pid %d) is gone; exiting", self.parent_pid)
@@ -280,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         outbox.send(encoder.encode(CoreFailed(f"engine core failed: {type(e).__name__}: {e}")))
         ctx.destroy(linger=2000)
         return 1
+    if hasattr(core.runner, "close"):  # a split model's other ranks stop with it
+        core.runner.close()
     ctx.destroy(linger=1000)
     return 0
 

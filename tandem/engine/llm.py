@@ -27,6 +27,19 @@ class LLM:
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the other ranks of a split model (tensor or pipeline parallel); an LLM over a
+        whole model holds nothing that needs it. Also `with LLM(...) as llm:`."""
+        close = getattr(self.engine.runner, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def get_tokenizer(self):
         return self.tokenizer
 

@@ -30,6 +30,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.fused = None  # RoPE in place (kernels/fused.cpp), where the runner binds it
+        # Sums o_proj's partial outputs over the tensor-parallel ranks, where the model is
+        # split (tandem/distributed/sharding.py); None: the model is whole.
+        self.reduce = None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, (H + 2 KVH) * D]
@@ -38,7 +41,8 @@ class LlamaAttention(nn.Module):
         qk = apply_rope(qk, rope, self.fused)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        return self.o_proj(self.attn(q, k, v))
+        out = self.o_proj(self.attn(q, k, v))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class LlamaMLP(nn.Module):
@@ -47,9 +51,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = SiluAndMul()
+        self.reduce = None  # as LlamaAttention's, for down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        out = self.down_proj(self.act(self.gate_up_proj(x)))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -47,8 +47,15 @@ def gguf_file(model: str | Path | None) -> Path | None:
 
 
 def load_model(
-    folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+    folder: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    shard=None,
 ):
+    """shard: a distributed.sharding.RankShard, for one rank's part of the model (cfg is
+    then that part's config); None: the whole model."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, dtype, max_positions)
     model = model.to_empty(device=device).to(dtype)
@@ -57,11 +64,11 @@ def load_model(
     for module in model.modules():
         if hasattr(module, "init_tables"):
             module.init_tables()
-    load_weights(model, folder)
+    load_weights(model, folder, shard)
     return model.eval()
 
 
-def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
+def load_weights(model: LlamaForCausalLM, folder: Path, shard=None) -> None:
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
@@ -74,25 +81,30 @@ def load_weights(model: LlamaForCausalLM, folder: Path) -> None:
         missing.update([(pname, i) for i in range(shards)] or [(pname, None)])
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq") or (
-                    name == "lm_head.weight" and name not in params
+            for source in f.keys():
+                name = source if shard is None else shard.local_name(source)
+                if (
+                    name is None
+                    or name.endswith("rotary_emb.inv_freq")
+                    or (name == "lm_head.weight" and name not in params)
                 ):
                     continue
-                target, shard, rows = _target_of(model, name)
+                target, index, rows = _target_of(model, name)
                 if target not in params:
                     raise ValueError(
                         f"model: checkpoint tensor {name!r} has no place in {type(model).__name__}"
                     )
                 param = params[target].data
                 dest = param if rows is None else param[rows]
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(source)
+                if shard is not None:
+                    tensor = shard(source, tensor)
                 if dest.shape != tensor.shape:
                     raise ValueError(
                         f"model: {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
                     )
                 dest.copy_(tensor)
-                missing.discard((target, shard))
+                missing.discard((target, index))
     if missing:
         names = sorted({p if s is None else f"{p}[shard {s}]" for p, s in missing})
         raise ValueError(f"model: checkpoint is missing weights {names[:5]}")

@@ -4,6 +4,7 @@ loop never loads a model and never sees torch."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,9 @@ from tandem.core.capacity import (
 )
 from tandem.core.cost_model import KernelRows
 from tandem.core.model_config import ModelConfig
+from tandem.distributed.driver import Driver
+from tandem.distributed.layout import ParallelLayout, check_splits
+from tandem.distributed.sharding import RankShard
 from tandem.engine.config import DEFAULT_KV_CACHE_GIB, kv_cache_setting, step_token_budget
 from tandem.model import kernels
 from tandem.model.kv_quant import SCALE_BYTES, storage_dtype
@@ -52,8 +56,10 @@ class LoadedRunner:
     kernel_rows: KernelRows = KernelRows()
 
 
-def build_model_runner(config) -> LoadedRunner:
-    """config: an engine.config.EngineConfig (read here, never written)."""
+def build_model_runner(config, rank: int = 0, ranks=None) -> LoadedRunner:
+    """config: an engine.config.EngineConfig (read here, never written). Split over ranks
+    (tensor or pipeline parallel), rank 0 (ranks None) starts the others first, so they
+    load their shares while it loads its own; a rank past 0 passes its joined `ranks`."""
     cpu_isa.selected()  # a wrong TANDEM_CPU_ISA fails the start, saying why
     kernels.configure(build_timeout=config.kernel_build_timeout)
     device = resolve_device(config.device)
@@ -67,8 +73,36 @@ def build_model_runner(config) -> LoadedRunner:
     path = resolve_model(config.model)
     mcfg = ModelConfig.from_folder(path)
     max_model_len = resolve_max_model_len(mcfg, config.max_model_len)
+    layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size)
+    if layout.world_size == 1:
+        return _build(config, path, mcfg, method, gguf, dtype, device, max_model_len)
+    check_splits(mcfg, layout)
+    if method == "gguf":
+        raise ValueError(
+            "quantization: a GGUF's own blocks are not split over ranks yet; split it as "
+            "float weights (quantization none) or quantize its shares (int8, int4)"
+        )
+    shard = RankShard(mcfg, layout, rank)
+    driver = Driver(config, mcfg.vocab_size) if ranks is None else None
+    try:
+        loaded = _build(config, path, mcfg, method, gguf, dtype, device, max_model_len, shard)
+        shard.wire(loaded.runner.model, ranks or driver.ranks)
+        loaded.runner.model.model.decode_stack = None  # its C++ layers know no all-reduce
+        if driver is not None:
+            driver.wait_loaded()
+            loaded.runner.distributed = driver
+    except BaseException:
+        if driver is not None:
+            driver.close()
+        raise
+    return loaded
+
+
+def _build(config, path, mcfg, method, gguf, dtype, device, max_model_len, shard=None):
+    """The model runner of one rank (the whole model where shard is None)."""
+    model_cfg = mcfg if shard is None else shard.model_config()
     torch.manual_seed(config.seed)
-    model = load_model(path, mcfg, dtype, device, max_positions=max_model_len)
+    model = load_model(path, model_cfg, dtype, device, max_model_len, shard)
     weights = quantize_model(model, method, config.quantization_group_size, gguf)
     if config.bf16_weight_copy:
         if method == "none":
@@ -79,13 +113,19 @@ def build_model_runner(config) -> LoadedRunner:
         weights += f", int8 activations ({use_int8_activations(model)} layers)"
     kv_dtype = storage_dtype(config.kv_cache_dtype, dtype)
     scale_bytes = 0 if config.kv_cache_dtype == "auto" else SCALE_BYTES
-    block_bytes = kv_bytes_per_block(mcfg, config.block_size, kv_dtype.itemsize, scale_bytes)
+    # every rank sizes its pool for the stage with the most layers: the same block count
+    kv_cfg = model_cfg if shard is None else dataclasses.replace(
+        model_cfg, num_layers=shard.layout.max_stage_layers(mcfg.num_layers)
+    )  # fmt: skip
+    block_bytes = kv_bytes_per_block(kv_cfg, config.block_size, kv_dtype.itemsize, scale_bytes)
     usable = config.num_kv_blocks or num_blocks_for_memory(
         kv_pool_bytes(config, mcfg, dtype, device), block_bytes
     )
     num_blocks = 1 + usable
+    # the runner's config: this rank's KV heads and layers, the whole vocabulary (its logits)
+    runner_cfg = dataclasses.replace(model_cfg, vocab_size=mcfg.vocab_size)
     runner = ModelRunner(
-        model, mcfg, num_blocks, config.block_size, dtype, device, config.seed,
+        model, runner_cfg, num_blocks, config.block_size, dtype, device, config.seed,
         config.kv_cache_dtype,
     )  # fmt: skip
     budget = step_token_budget(config, runner.chunks_in_place)

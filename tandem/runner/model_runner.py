@@ -132,6 +132,9 @@ class ModelRunner:
         # the per-request matchers that mask the logits (enable_structured_outputs).
         self.grammars = None
         self.masks = None
+        # Where the model is split over ranks (tandem/distributed): the driver that sends each
+        # step's ledger to the other ranks and runs this rank's stage; None: the model is whole.
+        self.distributed = None
 
     def map_kv_pool(self) -> None:
         """Write zeros over the KV pool (and an 8-bit cache's scales) before anything is cached
@@ -143,6 +146,17 @@ class ModelRunner:
         for pool in (self.kv_cache, self.kv_scales):
             if pool is not None:
                 pool.zero_()
+
+    def check_alive(self) -> None:
+        """Raise RankFailed where a rank of a split model has died (idle servers ask)."""
+        if self.distributed is not None:
+            self.distributed.check_alive()
+
+    def close(self) -> None:
+        """Stop the other ranks of a split model; nothing to do for a whole one."""
+        if self.distributed is not None:
+            self.distributed.close()
+            self.distributed = None
 
     def enable_structured_outputs(self, compiler) -> None:
         from tandem.structured.masks import GrammarMasks
@@ -209,6 +223,8 @@ class ModelRunner:
             self.masks.forget(plan.finished_ids)
         if plan.is_empty:
             return RunnerOutput()
+        if self.distributed is not None:
+            self.distributed.send_step(plan, self.block_size)
         inputs = prepare_inputs(plan.scheduled, self.block_size, self.device)
         inputs.attn.on_layer_written = self.on_layer_written
         # the grammar masks fill on a worker thread while the forward pass runs
@@ -216,8 +232,11 @@ class ModelRunner:
         t1 = time.perf_counter()
         lora = self.lora.context(inputs.token_lora_ids) if self.lora else None
         with forward_context(inputs.attn), lora_context(lora):
-            hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
-            logits = self.model.compute_logits(hidden[inputs.sample_index])  # [S, vocab]
+            if self.distributed is not None:
+                logits = self.distributed.forward(self.model, inputs)  # [S, vocab]
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+                logits = self.model.compute_logits(hidden[inputs.sample_index])  # [S, vocab]
         t2 = time.perf_counter()
         timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": 0.0}
         if not inputs.sample_rows:

@@ -162,6 +162,10 @@ def run(args: argparse.Namespace) -> int:
     _check_tool_flags(args)
     setup_logging()
     config = engine_config_from_args(args, model)
+    if config.headless:  # a node of a split model that only computes: no server here
+        from tandem.distributed.launch import run_headless
+
+        return run_headless(config)
     if args.slo_classes is not None:
         from tandem.core.slo import load_slo_classes
 
