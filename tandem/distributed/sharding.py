@@ -68,6 +68,43 @@ class RankShard:
         pad = tensor.new_zeros((self.vocab_rows - len(rows), *tensor.shape[1:]))
         return torch.cat([rows, pad])
 
+    def gguf_specs(self, specs: dict[str, tuple]) -> dict[str, tuple]:
+        """This rank's part of a GGUF's int4 layers (quantize._gguf_layers' specs, module
+        name -> (in, out, terms, format), of the whole model): its stage's layers renumbered,
+        each term cut by rows or by whole blocks of columns, the blocks' numbers as stored."""
+        cfg, t, tp = self.cfg, self.tp_rank, self.tp
+        q, kv, d = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+        heads = kv_heads_of(cfg, tp, t)
+        mlp = cfg.intermediate_size // tp
+        qkv_rows = [
+            range(t * q // tp, (t + 1) * q // tp),
+            range(q + heads.start * d, q + heads.stop * d),
+            range(q + kv + heads.start * d, q + kv + heads.stop * d),
+        ]
+        out = {}
+        for name, (k, n, terms, fmt) in specs.items():
+            rows = cols = pad = None
+            if name.startswith("layers."):
+                _, i, attr = name.split(".")
+                if int(i) not in self.layers:
+                    continue
+                name = f"layers.{int(i) - self.layers.start}.{attr}"
+                if attr == "qkv_proj":
+                    rows = qkv_rows
+                elif attr == "gate_up_proj":
+                    rows = [range(t * mlp, (t + 1) * mlp), range(n // 2 + t * mlp, n // 2 + (t + 1) * mlp)]  # fmt: skip
+                else:  # o_proj, down_proj: row-parallel
+                    cols = range(t * k // tp, (t + 1) * k // tp)
+            else:  # lm_head, embedding: vocabulary rows
+                start, pad = t * self.vocab_rows, self.vocab_rows
+                rows = [range(start, min(start + self.vocab_rows, n))]
+            if tp > 1:
+                terms = [cut_term(term, k, n, rows, cols, name, pad) for term in terms]
+                n = pad or (n if rows is None else sum(map(len, rows)))
+                k = k if cols is None else len(cols)
+            out[name] = (k, n, terms, fmt)
+        return out
+
     def model_config(self) -> ModelConfig:
         """The config this rank's model is built from: its heads, columns, vocabulary rows
         and its stage's layers."""
@@ -98,3 +135,35 @@ class VocabParallelEmbedding(nn.Module):
         inside = (local >= 0) & (local < self.rows)
         x = self.inner(torch.where(inside, local, 0))
         return self.reduce(x * inside[:, None].to(x.dtype))
+
+
+def cut_term(term, k: int, n: int, rows, cols, name: str, pad_to: int | None = None):
+    """An int4 term of a [n, k] weight cut to `rows` (ranges, in order; padded with zero
+    rows to `pad_to`) or to the columns `cols` (whole groups): the same integers, scales and
+    zeros, repacked."""
+    from tandem.model.quant import int4_term, unpack_cpu_q
+
+    q = unpack_cpu_q(term.packed, k)[:n]
+    sz = term.scales_zeros.float()[:, :n]  # [k / group, n, 2]
+    scale, zero = sz[..., 0].T, sz[..., 1].T  # [n, k / group]
+    if rows is not None:
+        index = torch.cat([torch.arange(r.start, r.stop) for r in rows])
+        q, scale, zero = q[index], scale[index], zero[index]
+    if cols is not None:
+        g = term.group
+        if cols.start % g or len(cols) % g:
+            raise ValueError(
+                f"quantization: {name}'s GGUF blocks of {g} columns do not split into "
+                f"{len(cols)}-column shares; use a tensor_parallel_size whose share divides by {g}"
+            )
+        q = q[:, cols.start : cols.stop]
+        scale, zero = (
+            scale[:, cols.start // g : cols.stop // g],
+            zero[:, cols.start // g : cols.stop // g],
+        )
+    if pad_to is not None and len(q) < pad_to:  # the last rank's vocabulary rows: zero weights
+        extra = pad_to - len(q)
+        q, scale, zero = (
+            torch.cat([a, a.new_zeros((extra, a.shape[1]))]) for a in (q, scale, zero)
+        )
+    return int4_term(q, scale, zero)

@@ -43,11 +43,13 @@ GGUF_SHARDS = {
 }
 
 
-def quantize_model(model, method: str, group: int, gguf_path: Path | None) -> str:
-    """Quantize in place; -> what the weights now are, for the engine's log and /v1/models."""
+def quantize_model(model, method: str, group: int, gguf_path: Path | None, shard=None) -> str:
+    """Quantize in place; -> what the weights now are, for the engine's log and /v1/models.
+    shard: the distributed.sharding.RankShard a split model's rank holds (a GGUF's blocks are
+    read whole, then cut to it)."""
     if method == "none":
         return "none"
-    described = _from_gguf(model, gguf_path) if method == "gguf" else _from_float(model, method, group)  # fmt: skip
+    described = _from_gguf(model, gguf_path, shard) if method == "gguf" else _from_float(model, method, group)  # fmt: skip
     _return_freed_memory()
     return described
 
@@ -92,11 +94,12 @@ def _from_float(model, method: str, group: int) -> str:
     return f"{fmt} projections, {head.fmt} output head{' and tied embedding' if tied else ''}"
 
 
-def _from_gguf(model, path: Path | None) -> str:
+def _from_gguf(model, path: Path | None, shard=None) -> str:
     if path is None:
         raise ValueError("quantization: gguf needs a .gguf model (it runs on the file's blocks)")
     device = model.lm_head.weight.device
-    specs = _gguf_layers(model.config, path).items()
+    specs = _gguf_layers(model.config if shard is None else shard.cfg, path)
+    specs = (specs if shard is None else shard.gguf_specs(specs)).items()
     built = {name: int4_linear(*spec, None, device) for name, spec in specs}
     formats: Counter = Counter()
     for i, layer in enumerate(model.model.layers):

@@ -77,11 +77,6 @@ def build_model_runner(config, rank: int = 0, ranks=None) -> LoadedRunner:
     if layout.world_size == 1:
         return _build(config, path, mcfg, method, gguf, dtype, device, max_model_len)
     check_splits(mcfg, layout)
-    if method == "gguf":
-        raise ValueError(
-            "quantization: a GGUF's own blocks are not split over ranks yet; split it as "
-            "float weights (quantization none) or quantize its shares (int8, int4)"
-        )
     shard = RankShard(mcfg, layout, rank)
     driver = Driver(config, mcfg.vocab_size) if ranks is None else None
     try:
@@ -103,7 +98,7 @@ def _build(config, path, mcfg, method, gguf, dtype, device, max_model_len, shard
     model_cfg = mcfg if shard is None else shard.model_config()
     torch.manual_seed(config.seed)
     model = load_model(path, model_cfg, dtype, device, max_model_len, shard)
-    weights = quantize_model(model, method, config.quantization_group_size, gguf)
+    weights = quantize_model(model, method, config.quantization_group_size, gguf, shard)
     if config.bf16_weight_copy:
         if method == "none":
             raise ValueError("bf16_weight_copy: the weights are not quantized (quantization none)")

@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
     q.add_argument("--model", default="llama-3-8b", help="a built-in spec or a config.json")
     q.add_argument("--hardware", nargs="+", default=["H100"], help="accelerators to consider")
     q.add_argument("--tp", nargs="+", type=int, default=[1], help="tensor-parallel degrees")
+    q.add_argument(
+        "--pp", nargs="+", type=int, default=[1], help="pipeline-parallel degrees (stages)"
+    )
     q.add_argument("--mode", choices=("colocated", "disaggregated", "both"), default="both")
     q.add_argument("--max-instances", type=int, default=16)
     q.add_argument("--router", default="least_load")
@@ -196,7 +199,7 @@ def _print_one(result: dict, summary: str) -> None:
     if cost is not None:
         print(f"cost per million output tokens: ${cost:.3f}")
     for name, g in result["groups"].items():
-        print(f"  group {name}: {g['instances']} x {g['hardware']} (tp {g['tp']}), "
+        print(f"  group {name}: {g['instances']} x {g['hardware']} (tp {g['tp']}, pp {g.get('pp', 1)}), "
               f"utilisation {g['utilization']:.0%}")  # fmt: skip
     if "pd_handoff_stage_ms" in result:
         print("handoff stages, mean ms: " + ", ".join(
@@ -223,7 +226,7 @@ def plan(args: argparse.Namespace) -> int:
 
     planner = Planner(base, evaluate, args.slo_target, args.max_instances, price)
     best = planner.search(args.hardware, args.tp, colocated=args.mode != "disaggregated",
-                          disaggregated=args.mode != "colocated")  # fmt: skip
+                          disaggregated=args.mode != "colocated", pps=args.pp)  # fmt: skip
     print(BANNER)
     print(f"{len(requests)} requests at {args.request_rate:g} req/s, SLO attainment target "
           f"{args.slo_target:.0%}; {len(planner.probes)} clusters simulated")  # fmt: skip

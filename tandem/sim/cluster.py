@@ -7,7 +7,7 @@ JSON, checked with errors naming the field.
     scheduling_policy: fcfs      # fcfs | priority | slo
     engine: {max_num_seqs: 256, max_num_batched_tokens: 8192, block_size: 16}
     groups:
-      - {name: h100, hardware: H100, count: 4, tp: 1, price_per_hour: 2.5}
+      - {name: h100, hardware: H100, count: 4, tp: 1, pp: 1, price_per_hour: 2.5}
       - {name: local, cost_model: cost.json, kv_tokens: 100000, count: 1}
       - {name: b200, count: 2, hardware: {name: B200, bf16_tflops: 2250, mem_bandwidth_gbs: 8000,
                                           mem_gib: 180, price_per_hour: 6.0}}  # any accelerator
@@ -65,7 +65,9 @@ class GroupSpec:
     kv_tokens: int  # KV capacity of one instance
     hardware: str
     tp: int = 1
-    price_per_hour: float = 0.0  # of one instance (all its devices); roofline: the device's x tp
+    price_per_hour: float = (
+        0.0  # of one instance (all its devices); roofline: the device's x tp x pp
+    )
     role: str = "both"  # both | prefill | decode
     prefix_caching: bool = True  # its radix cache (off: every prompt computed, or sent, whole)
     latency_s: float = 0.0  # outside the engine's steps: added to every time its client sees
@@ -76,6 +78,7 @@ class GroupSpec:
     request_s: float = 0.0  # host time a request costs once: added to its first step
     kv_offload_tokens: int = 0  # a host-memory KV tier per instance (0: none)
     kv_offload_gbs: float = 25.0  # its bandwidth into the KV pool
+    pp: int = 1  # pipeline stages (devices: tp x pp)
 
 
 @dataclass(frozen=True)
@@ -153,8 +156,8 @@ def _group(g: dict, i: int, model: ModelSpec, base: Path) -> GroupSpec:
     role = g.get("role", "both")
     if role not in ("both", "prefill", "decode"):
         raise ValueError(f"{where}.role must be both, prefill or decode, got {role!r}")
-    count, tp = g.get("count", 1), g.get("tp", 1)
-    for name, value in (("count", count), ("tp", tp)):
+    count, tp, pp = g.get("count", 1), g.get("tp", 1), g.get("pp", 1)
+    for name, value in (("count", count), ("tp", tp), ("pp", pp)):
         if not (isinstance(value, int) and value >= 1):
             raise ValueError(f"{where}.{name} must be an integer >= 1, got {value!r}")
     if "cost_model" in g:  # a profile fitted on real hardware (`tandem profile`)
@@ -166,13 +169,13 @@ def _group(g: dict, i: int, model: ModelSpec, base: Path) -> GroupSpec:
     else:
         hw = _hardware(g.get("hardware"), f"{where}.hardware")
         hardware = hw.name
-        if tp > 1 and not hw.interconnect_gbs > 0:
+        if tp * pp > 1 and not hw.interconnect_gbs > 0:
             raise ValueError(
-                f"{where}.hardware.interconnect_gbs: tp {tp} needs the link between devices"
+                f"{where}.hardware.interconnect_gbs: tp {tp} x pp {pp} needs the link between devices"  # fmt: skip
             )
-        cost = roofline_cost_model(hw, model, tp)
-        kv = int(g.get("kv_tokens") or kv_capacity_tokens(hw, model, tp))
-        price = hw.price_per_hour * tp
+        cost = roofline_cost_model(hw, model, tp, pp=pp)
+        kv = int(g.get("kv_tokens") or kv_capacity_tokens(hw, model, tp, pp=pp))
+        price = hw.price_per_hour * tp * pp
     caching, noise = g.get("prefix_caching", True), g.get("step_noise", True)
     for name, value in (("prefix_caching", caching), ("step_noise", noise)):
         if not isinstance(value, bool):
@@ -193,7 +196,7 @@ def _group(g: dict, i: int, model: ModelSpec, base: Path) -> GroupSpec:
                      float(g.get("price_per_hour", price)), role, caching,
                      host["latency_ms"] / 1000, noise, host["token_ms"] / 1000,
                      host["step_ms"] / 1000, float(scale), host["request_ms"] / 1000,
-                     offload, float(gbs))  # fmt: skip
+                     offload, float(gbs), pp)  # fmt: skip
 
 
 def _remote_tier(value) -> TierSpec | None:

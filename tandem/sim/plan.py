@@ -1,6 +1,6 @@
 """`tandem sim plan`: the cheapest cluster that meets given SLOs at a given request rate.
 
-For each accelerator and tensor-parallel degree, colocated clusters grow until one meets the
+For each accelerator and tensor- and pipeline-parallel degree, colocated clusters grow until one meets the
 attainment target (more instances never hurt attainment much, so a doubling search then
 bisection finds the least count in a few simulations; a doubling that no longer raises
 attainment stops it); disaggregated ones, for each prefill count, find the least decode count, and stop adding prefill instances once those alone cost
@@ -32,6 +32,7 @@ class Layout:
     prefill: int = 0
     decode: int = 0
     decode_hardware: str = ""
+    pp: int = 1
 
     @property
     def instances(self) -> int:
@@ -40,7 +41,7 @@ class Layout:
     def cluster(self, base: dict) -> dict:
         """The cluster file this layout is, over `base` (model, router, engine, link)."""
         settings = {k: v for k, v in base.items() if k != "link"}
-        group = {"hardware": self.hardware, "tp": self.tp}
+        group = {"hardware": self.hardware, "tp": self.tp, "pp": self.pp}
         if self.count:
             return settings | {"groups": [group | {"name": self.hardware, "count": self.count}]}
         decode = group | {"hardware": self.decode_hardware or self.hardware}
@@ -53,7 +54,7 @@ class Layout:
         }
 
     def describe(self) -> str:
-        tp = f" tp{self.tp}" if self.tp > 1 else ""
+        tp = (f" tp{self.tp}" if self.tp > 1 else "") + (f" pp{self.pp}" if self.pp > 1 else "")
         if self.count:
             return f"{self.count} x {self.hardware}{tp}"
         return f"{self.prefill}P {self.hardware}{tp} + {self.decode}D " + (
@@ -113,16 +114,17 @@ class Planner:
         return self.probe(make(good))
 
     def search(self, hardware: list[str], tps: list[int], colocated: bool = True,
-               disaggregated: bool = False) -> Probe | None:  # fmt: skip
+               disaggregated: bool = False, pps: tuple[int, ...] = (1,)) -> Probe | None:  # fmt: skip
         """The cheapest probe that meets the target (None: nothing within max_instances)."""
-        for hw, tp in itertools.product(hardware, tps):
+        for hw, tp, pp in itertools.product(hardware, tps, pps):
+            split = f"tp{tp}" + (f" pp{pp}" if pp > 1 else "")
             if colocated:
-                self._skipping(f"{hw} tp{tp}", self.least,
-                               functools.partial(_colocated, hw, tp), self.max_instances)  # fmt: skip
+                self._skipping(f"{hw} {split}", self.least,
+                               functools.partial(_colocated, hw, tp, pp), self.max_instances)  # fmt: skip
             if disaggregated:
                 for decode_hw in hardware:
-                    self._skipping(f"{hw}->{decode_hw} tp{tp}", self._disaggregated, hw,
-                                   decode_hw, tp)  # fmt: skip
+                    self._skipping(f"{hw}->{decode_hw} {split}", self._disaggregated, hw,
+                                   decode_hw, tp, pp)  # fmt: skip
         return self.cheapest()
 
     def _skipping(self, what: str, search, *args) -> None:
@@ -131,13 +133,13 @@ class Planner:
         except ValueError as e:  # the model does not fit this hardware at this tp
             self.skipped[what] = str(e)
 
-    def _disaggregated(self, prefill_hw: str, decode_hw: str, tp: int) -> None:
+    def _disaggregated(self, prefill_hw: str, decode_hw: str, tp: int, pp: int = 1) -> None:
         for p in range(1, self.max_instances):
             best = self.cheapest()
-            floor = Layout(prefill_hw, tp, prefill=p, decode=1, decode_hardware=decode_hw)
+            floor = Layout(prefill_hw, tp, prefill=p, decode=1, decode_hardware=decode_hw, pp=pp)
             if best is not None and self.price(floor.cluster(self.base)) >= best.price_per_hour:
                 return  # more prefill instances only cost more than what already meets
-            pair = functools.partial(_disaggregated, prefill_hw, decode_hw, tp, p)
+            pair = functools.partial(_disaggregated, prefill_hw, decode_hw, tp, pp, p)
             self.least(pair, self.max_instances - p)
 
     def cheapest(self) -> Probe | None:
@@ -203,9 +205,9 @@ def plot_plan(planner: Planner, path) -> object:
     return _save(fig, path)
 
 
-def _colocated(hw: str, tp: int, n: int) -> Layout:
-    return Layout(hw, tp, count=n)
+def _colocated(hw: str, tp: int, pp: int, n: int) -> Layout:
+    return Layout(hw, tp, count=n, pp=pp)
 
 
-def _disaggregated(prefill_hw: str, decode_hw: str, tp: int, p: int, d: int) -> Layout:
-    return Layout(prefill_hw, tp, prefill=p, decode=d, decode_hardware=decode_hw)
+def _disaggregated(prefill_hw: str, decode_hw: str, tp: int, pp: int, p: int, d: int) -> Layout:
+    return Layout(prefill_hw, tp, prefill=p, decode=d, decode_hardware=decode_hw, pp=pp)

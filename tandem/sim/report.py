@@ -51,6 +51,7 @@ def summarize(sim: Simulation, records: list[Record], percentiles=(90, 99),
             "instances": len(members),
             "hardware": g.hardware,
             "tp": g.tp,
+            "pp": g.pp,
             "utilization": busy / (duration * len(members)),
             "busy_seconds": busy,  # its instances' steps, host costs included
             "kv_tokens_per_instance": g.kv_tokens,

@@ -4,7 +4,7 @@ from them. Pure Python.
 A model spec comes from a config.json (layers, heads, KV heads, head dim, sizes), so its
 parameters, FLOPs and KV bytes per token follow. Accelerators we do not own are described by
 their published dense bf16 FLOP/s, memory bandwidth and memory size; `roofline_cost_model`
-turns (accelerator, model, tensor-parallel degree) into the same five-coefficient
+turns (accelerator, model, tensor- and pipeline-parallel degrees) into the same five-coefficient
 `CostModel` that `tandem profile` fits on real hardware, so the scheduler and router read a
 simulated instance exactly as a real one. Such a model is derived, not measured: its `info`
 says so, with the efficiency factors it assumed.
@@ -123,27 +123,31 @@ MODELS = {
 
 STEP_OVERHEAD_S = 0.002  # scheduling, launches and sampling of one step (an assumption)
 ALLREDUCE_LATENCY_S = 10e-6  # per all-reduce with TP > 1 (two a layer)
+STAGE_HANDOFF_S = 20e-6  # per pipeline stage boundary a step crosses (pp > 1)
 
 
-def roofline_cost_model(hw: Hardware, model: ModelSpec, tp: int = 1, dtype_bytes: int = 2):
+def roofline_cost_model(hw: Hardware, model: ModelSpec, tp: int = 1, dtype_bytes: int = 2,
+                        pp: int = 1) -> CostModel:  # fmt: skip
     """step seconds = weights read once + compute per token + KV read + attention FLOPs,
-    each divided by what `tp` devices provide, plus two all-reduces a layer with tp > 1."""
+    each divided by what `tp` devices provide, plus two all-reduces a layer with tp > 1.
+
+    With pp > 1 stages, a step passes through them in turn, as tandem's engine runs one
+    batch at a time: each stage reads its own weights at its own devices' speed, so the
+    sums are those of one stage holding everything, plus each hand-off (the hidden state and
+    the residual stream of every token, and a latency). Pipeline parallelism buys memory, not
+    step time: the other stages idle while one computes (a bubble of (pp - 1) / pp)."""
     flops = hw.bf16_tflops * 1e12 * hw.compute_efficiency * tp
     bandwidth = hw.mem_bandwidth_gbs * 1e9 * hw.bandwidth_efficiency * tp
     per_token = 2 * model.matmul_params / flops  # seconds of matmul per token
+    link = hw.interconnect_gbs * 1e9
     if tp > 1:  # each token's hidden state crosses the interconnect twice a layer
-        per_token += (
-            2
-            * model.num_layers
-            * model.hidden_size
-            * dtype_bytes
-            * (tp - 1)
-            / tp
-            / (hw.interconnect_gbs * 1e9)
-        )
+        per_token += 2 * model.num_layers * model.hidden_size * dtype_bytes * (tp - 1) / tp / link
     const = STEP_OVERHEAD_S + model.params * dtype_bytes / bandwidth
     if tp > 1:
         const += 2 * model.num_layers * ALLREDUCE_LATENCY_S
+    if pp > 1:  # hidden state and residual, stage to stage
+        per_token += (pp - 1) * 2 * model.hidden_size * dtype_bytes / link
+        const += (pp - 1) * STAGE_HANDOFF_S
     kv = model.kv_bytes_per_token(dtype_bytes) / bandwidth
     chunk = 4 * model.num_layers * model.num_heads * model.head_dim / flops  # QK and PV
     info = {
@@ -151,6 +155,7 @@ def roofline_cost_model(hw: Hardware, model: ModelSpec, tp: int = 1, dtype_bytes
         "hardware": hw.name,
         "model": model.name,
         "tp": tp,
+        "pp": pp,
         "compute_efficiency": hw.compute_efficiency,
         "bandwidth_efficiency": hw.bandwidth_efficiency,
     }
@@ -158,12 +163,13 @@ def roofline_cost_model(hw: Hardware, model: ModelSpec, tp: int = 1, dtype_bytes
 
 
 def kv_capacity_tokens(hw: Hardware, model: ModelSpec, tp: int, utilization: float = 0.9,
-                       dtype_bytes: int = 2) -> int:  # fmt: skip
-    """Tokens of KV that fit beside the weights on `tp` devices (vLLM's memory rule)."""
-    free = hw.mem_gib * GiB * tp * utilization - model.params * dtype_bytes
+                       dtype_bytes: int = 2, pp: int = 1) -> int:  # fmt: skip
+    """Tokens of KV that fit beside the weights on `tp` x `pp` devices (vLLM's memory rule)."""
+    devices = tp * pp
+    free = hw.mem_gib * GiB * devices * utilization - model.params * dtype_bytes
     if free <= 0:
         raise ValueError(
             f"{model.name} ({model.params * dtype_bytes / GiB:.0f} GiB of weights) does not fit "
-            f"on {tp} x {hw.name} ({hw.mem_gib:g} GiB each)"
+            f"on {devices} x {hw.name} ({hw.mem_gib:g} GiB each)"
         )
     return int(free // model.kv_bytes_per_token(dtype_bytes))

@@ -89,3 +89,23 @@ def test_int4_shares_quantize_by_the_same_groups_as_the_whole_model(eight_head_c
         for token in want.keys() & got.keys():
             assert abs(got[token].logprob - want[token].logprob) < 0.05
     assert decided >= 16 and shm > 0
+
+
+@pytest.mark.default_model
+def test_the_default_models_gguf_blocks_split_over_ranks_follow_one_rank():
+    # 9 heads and 3 KV heads split over 3 ranks; each rank cuts the file's own Q4_1 and Q8_0
+    # blocks (rows, or whole 32-column blocks), so every weight is the one-rank model's
+    messages = [[{"role": "user", "content": q}] for q in (
+        "What is the capital of France? Tell me about it.", "Name three prime numbers.")]  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    replies = {}
+    for split in (dict(), dict(tensor_parallel_size=3), dict(pipeline_parallel_size=2)):
+        with LLM(None, kv_cache_memory=0.05, max_model_len=512, **split) as llm:
+            layers = 30 // split.get("pipeline_parallel_size", 1)  # rank 0's stage
+            assert llm.quantization.startswith(f"GGUF blocks: projections {4 * layers} Q4_1")
+            replies[tuple(split.items())] = [
+                llm.chat(m, params, use_tqdm=False)[0].outputs[0].token_ids for m in messages
+            ]
+    whole, *splits = replies.values()
+    assert all(s == whole for s in splits)
+    assert len(set(whole[0])) > 8  # a reply, not one token repeated
