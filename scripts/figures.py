@@ -37,6 +37,8 @@ ROWS = {
     "prefix-cache-ttft": "Prefix cache on vs off, 1,024 shared prompt tokens: mean TTFT",
     "kv-tiers-host": "Host KV tier, multi-round QA past the pool, one at a time: TTFT of rounds >= 2",
     "kv-tiers-redis": "Redis KV tier, a second instance's 16 concurrent hits vs recomputing: mean TTFT",
+    "tp-allreduce": "Tensor-parallel all-reduce of [32, 576] fp32, 2 ranks: shared memory vs gloo, p50",
+    "tp-decode": "`-tp 2` vs the whole model on both cores, 32 running: decode tok/s",
 }
 # CPU kinds as columns, in this order (others after them, by name).
 KINDS = ("amd-epyc-avx512-bf16", "intel-xeon-amx", "amd-epyc-avx2")
