@@ -118,12 +118,25 @@ class Ranks:
 
     # ---- the driver's ledger --------------------------------------------------------
     def broadcast(self, message) -> None:
-        """Rank 0: send every rank this message (a step's ledger, or a command)."""
+        """Rank 0: send every rank this message (a step's ledger, or a command). A rank that
+        does not take it within the timeout fails the call (gloo's send waits for the
+        receiver, and this group's own bound is the idle one)."""
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         size = torch.tensor([len(data)], dtype=torch.int64)
-        self._call("broadcasting the step", dist.broadcast, size, 0, group=self.control)
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        self._call("broadcasting the step", dist.broadcast, payload, 0, group=self.control)
+        for t in (size, payload):
+            self._call("broadcasting the step", self._bounded, dist.broadcast, t, 0, group=self.control)  # fmt: skip
+
+    def _bounded(self, fn, *args, **kwargs) -> None:
+        work = fn(*args, **kwargs, async_op=True)
+        try:
+            done = work.wait(timeout=timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            if "timed out" not in str(e):
+                raise
+            done = False
+        if not done:
+            raise TimeoutError(f"a rank did not take it within {self.timeout:g} s")
 
     def receive(self):
         """Ranks past 0: the driver's next message (waits as long as the server idles)."""

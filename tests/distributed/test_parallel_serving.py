@@ -101,6 +101,26 @@ def test_a_rank_killed_mid_stream_fails_the_request_and_the_server_exits(eight_h
         server.stop()
 
 
+def test_a_rank_that_stops_answering_fails_the_server_within_its_timeout(eight_heads, tmp_path):
+    server = Server(eight_heads, ["-tp", "2", "--distributed-timeout", "3"], tmp_path, "stop")
+    server.wait_ready()
+    try:
+        (pid,) = rank_pids(server.proc.pid).values()
+        os.kill(pid, signal.SIGSTOP)  # alive, but never reaches the next all-reduce
+        stopped = time.monotonic()
+        body = {"prompt": "The quick", "max_tokens": 8}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code >= 500 and "a rank did not take it within 3 s" in r.text
+        assert server.proc.wait(10) == 1
+        assert time.monotonic() - stopped < 10
+        deadline = time.monotonic() + 5
+        while pid_alive(pid):  # killed with its parent, stopped or not
+            assert time.monotonic() < deadline, "the stopped rank outlived the server"
+            time.sleep(0.1)
+    finally:
+        server.stop()
+
+
 def test_a_rank_that_never_joins_fails_the_start_naming_it(eight_heads, tmp_path):
     port = free_port()
     cmd = [sys.executable, "-m", "tandem.cli", "serve", str(eight_heads), *COMMON, "--port",
