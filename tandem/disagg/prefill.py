@@ -36,11 +36,17 @@ class KVSendingRunner:
         if not sends:
             return self.runner.execute(plan)
         failed: dict[str, str] = {}
-        self.runner.on_layer_written = lambda layer: self._send_layer(layer, sends, failed)
+        # A split model's layers are gathered from its ranks, which only a step's end allows
+        # (the ranks are inside the forward until then): its layers go after the step.
+        split = getattr(self.runner, "distributed", None) is not None
+        if not split:
+            self.runner.on_layer_written = lambda layer: self._send_layer(layer, sends, failed)
         try:
             result = self.runner.execute(plan)
         finally:
             self.runner.on_layer_written = None
+        for layer in range(self.num_layers if split else 0):
+            self._send_layer(layer, sends, failed)
         for s in sends:
             req, rid = s.request, s.request.request_id
             tokens, logprobs = result.sampled.get(rid), result.logprobs.get(rid)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.core.runner import RankFailed
+from tandem.distributed import kv_shards
 from tandem.distributed.groups import Ranks
 from tandem.distributed.launch import (
     WorkerProcesses,
@@ -31,6 +32,8 @@ class Driver:
     def __init__(self, config, vocab_size: int) -> None:
         self.rdv = rdv = rendezvous_of(config)
         self.vocab_size = vocab_size
+        self.runner = self.shard = None  # rank 0's, once loaded (attach)
+        self.offsets = None  # where each rank's share starts in a block's payload
         self.workers = None
         self.ranks = None
         self.restore = None
@@ -58,6 +61,10 @@ class Driver:
                  "node(s), %s", rdv.layout.world_size, rdv.layout.tp, rdv.layout.pp,
                  rdv.nnodes, config.distributed_executor_backend)  # fmt: skip
 
+    def attach(self, runner, shard) -> None:
+        """Rank 0's runner and share, once loaded: the KV calls run on them."""
+        self.runner, self.shard = runner, shard
+
     def wait_loaded(self) -> None:
         wait_for_ranks(self.store, self.rdv, "loaded", "load its weights", self.check_alive)
 
@@ -75,6 +82,43 @@ class Driver:
             raise
         except Exception as e:  # the other ranks went on without this one: out of step
             raise RankFailed(f"rank 0 failed mid-step: {type(e).__name__}: {e}") from e
+
+    # ---- the KV as one model's (kv_shards.py) ------------------------------------------
+    def call(self, name: str, *args) -> list:
+        """Run kv_shards.CALLS[name] on every rank; -> the parts, in rank order."""
+        self.ranks.broadcast(("call", name, args))
+        part = kv_shards.CALLS[name](self.runner, self.shard, *args)
+        return self.ranks.gather_parts(part)
+
+    def export_layer(self, block_ids, layer: int, start: int, end: int):
+        parts = self.call("export_layer", block_ids, layer, start, end)
+        return kv_shards.merge_layer(parts, self.shard.cfg.num_kv_heads)
+
+    def import_layer(self, block_ids, layer: int, start: int, k, v, scales=None) -> None:
+        self.call("import_layer", block_ids, layer, start, k, v, scales)
+
+    def export_kv(self, block_ids, start: int, end: int) -> torch.Tensor:
+        parts = self.call("export_kv", block_ids, start, end)
+        cfg = self.shard.cfg
+        return kv_shards.merge_kv(parts, cfg.num_layers, cfg.num_kv_heads)
+
+    def import_kv(self, block_ids, start: int, kv) -> None:
+        self.call("import_kv", block_ids, start, kv)
+
+    def kv_layout(self, rank0: str) -> str:
+        """A block payload's layout: the ranks' payloads in rank order, each as rank 0's is
+        named, of this split (a tier entry of another split is never imported)."""
+        return f"{rank0}|tp{self.rdv.layout.tp}xpp{self.rdv.layout.pp}"
+
+    def export_blocks(self, block_ids) -> list[memoryview]:
+        parts = self.call("export_blocks", block_ids)
+        return [memoryview(b"".join(p[i] for p in parts)) for i in range(len(block_ids))]
+
+    def import_blocks(self, block_ids, payloads) -> None:
+        if self.offsets is None:
+            sizes = self.call("block_bytes")
+            self.offsets = [sum(sizes[:r]) for r in range(len(sizes) + 1)]
+        self.call("import_blocks", block_ids, [bytes(p) for p in payloads], self.offsets)
 
     def close(self) -> None:
         """Stop the other ranks (they exit on the stop message, or are terminated)."""

@@ -116,6 +116,12 @@ class Ranks:
         self._call("receiving logits", dist.recv, logits, src)
         return logits
 
+    def gather_parts(self, part) -> list | None:
+        """Every rank's `part` (any picklable object), in rank order, on rank 0."""
+        parts = [None] * self.layout.world_size if self.rank == 0 else None
+        self._call("gathering KV", dist.gather_object, part, parts, dst=0)
+        return parts
+
     # ---- the driver's ledger --------------------------------------------------------
     def broadcast(self, message) -> None:
         """Rank 0: send every rank this message (a step's ledger, or a command). A rank that

@@ -30,6 +30,7 @@ class RankShard:
         self.layers = layout.stage_layers(self.stage, cfg.num_layers)
         self.first_stage, self.last_stage = self.stage == 0, self.stage == layout.pp - 1
         self.vocab_rows = local_vocab(cfg.vocab_size, self.tp)
+        self.kv_heads = kv_heads_of(cfg, self.tp, self.tp_rank)  # the model's, this rank's
 
     def local_name(self, name: str) -> str | None:
         """Checkpoint tensor `name` as this rank's model names it (its stage's layers count

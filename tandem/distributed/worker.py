@@ -50,6 +50,7 @@ def run_rank(config, rank: int, master_addr: str, master_port: int, cpus=None) -
 
 
 def serve_steps(loaded, ranks) -> int:
+    from tandem.distributed.kv_shards import CALLS
     from tandem.distributed.stage import stage_forward
     from tandem.model.attention import forward_context
     from tandem.runner.input_batch import prepare_inputs
@@ -63,6 +64,14 @@ def serve_steps(loaded, ranks) -> int:
             return 1
         if message[0] == "stop":
             return 0
+        if message[0] == "call":  # the driver reads or writes the KV as one model's
+            _, name, args = message
+            try:
+                ranks.gather_parts(CALLS[name](runner, loaded.shard, *args))
+            except Exception:
+                log.exception("rank %d: %s failed; exiting (the ranks are out of step)", ranks.rank, name)  # fmt: skip
+                return 1
+            continue
         inputs = prepare_inputs(message[1], runner.block_size, runner.device)
         try:
             with torch.inference_mode(), forward_context(inputs.attn):

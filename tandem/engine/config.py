@@ -364,10 +364,7 @@ class EngineConfig:
         if self.world_size == 1:
             return
         spec = self.speculative_config
-        whole_kv = "reads a request's whole KV, which the ranks hold in shares"
         unsupported = {
-            "role": (self.role != "both", f"a prefill or decode role {whole_kv}"),
-            "kv_offloading_size": (self.kv_tiers_on, f"the KV tiers' copy {whole_kv}"),
             "enable_lora": (self.enable_lora, "adapters are not split over ranks"),
             "speculative_config": (spec is not None and spec.method == "draft_model",
                                    "the draft model is not split over ranks (ngram is)"),

@@ -54,6 +54,7 @@ class LoadedRunner:
     # Where the quantized layers change kernels with a step's rows (steps in the step time the
     # cost model fits); the default: one kernel at every size.
     kernel_rows: KernelRows = KernelRows()
+    shard: object = None  # a split model's distributed.sharding.RankShard (None: whole)
 
 
 def build_model_runner(config, rank: int = 0, ranks=None) -> LoadedRunner:
@@ -81,10 +82,12 @@ def build_model_runner(config, rank: int = 0, ranks=None) -> LoadedRunner:
     driver = Driver(config, mcfg.vocab_size) if ranks is None else None
     try:
         loaded = _build(config, path, mcfg, method, gguf, dtype, device, max_model_len, shard)
+        loaded = dataclasses.replace(loaded, shard=shard)
         shard.wire(loaded.runner.model, ranks or driver.ranks)
         loaded.runner.model.model.decode_stack = None  # its C++ layers know no all-reduce
         if driver is not None:
             driver.wait_loaded()
+            driver.attach(loaded.runner, shard)
             loaded.runner.distributed = driver
     except BaseException:
         if driver is not None:

@@ -187,30 +187,43 @@ class ModelRunner:
     # ---- KV of a token range, layout-neutral (prefill/decode disaggregation) ---------------
     def export_kv(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:
         """[layers, 2, tokens, kv_heads, head_dim] of positions [start, end), on the CPU, in
-        the model's dtype (an 8-bit cache's dequantized)."""
+        the model's dtype (an 8-bit cache's dequantized). A split model's: all its ranks'."""
+        if self.distributed is not None:
+            return self.distributed.export_kv(block_ids, start, end)
         return export_kv(self.kv_cache, self.kv_scales, block_ids, start, end, self.dtype)
 
     def import_kv(self, block_ids: list[int], start: int, kv: torch.Tensor) -> None:
         """Write KV from another instance (any block size, any float dtype) from `start`."""
+        if self.distributed is not None:
+            return self.distributed.import_kv(block_ids, start, kv)
         import_kv(self.kv_cache, self.kv_scales, block_ids, start, kv)
 
     def export_layer(self, block_ids: list[int], layer: int, start: int, end: int):
         """(K, V, scales) of one layer, K and V [tokens, kv_heads, head_dim] as the cache
         stores them, on the CPU; an 8-bit cache's scales [2, tokens, kv_heads], else None."""
+        if self.distributed is not None:
+            return self.distributed.export_layer(block_ids, layer, start, end)
         return export_layer(self.kv_cache, self.kv_scales, block_ids, layer, start, end)
 
     def import_layer(self, block_ids: list[int], layer: int, start: int, k, v, scales=None):
+        if self.distributed is not None:
+            return self.distributed.import_layer(block_ids, layer, start, k, v, scales)
         import_layer(self.kv_cache, self.kv_scales, block_ids, layer, start, k, v, scales)
 
     # ---- whole blocks as stored, for the KV tiers -------------------------------------
     @property
     def kv_layout(self) -> str:
-        return block_layout(self.kv_cache, self.kv_scales)
+        layout = block_layout(self.kv_cache, self.kv_scales)
+        return layout if self.distributed is None else self.distributed.kv_layout(layout)
 
     def export_blocks(self, block_ids: list[int]) -> list[memoryview]:
+        if self.distributed is not None:
+            return self.distributed.export_blocks(block_ids)
         return export_blocks(self.kv_cache, self.kv_scales, block_ids)
 
     def import_blocks(self, block_ids: list[int], payloads) -> None:
+        if self.distributed is not None:
+            return self.distributed.import_blocks(block_ids, payloads)
         import_blocks(self.kv_cache, self.kv_scales, block_ids, payloads)
 
     @torch.inference_mode()
