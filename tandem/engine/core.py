@@ -124,6 +124,12 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         self.stalled = False
 
+    def check_alive(self) -> None:
+        """Raise RankFailed where the runner's model is split and a rank has died."""
+        check = getattr(self.runner, "check_alive", None)
+        if check is not None:
+            check()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.compiling)
 

@@ -223,7 +223,7 @@ class EngineCoreProc:
     def _check_ranks(self) -> None:
         """An idle server with a split model still notices a rank that died (RankFailed
         ends the loop, and the server with it)."""
-        check = getattr(self.core.runner, "check_alive", None)
+        check = getattr(self.core, "check_alive", None)
         if check is not None:
             check()
 
