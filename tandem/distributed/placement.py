@@ -4,21 +4,32 @@ that share cores slow each other down, and torch's threads follow the process's 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
+NODES = Path("/sys/devices/system/node")
 
-def cpu_binds(spec: str, ranks: list[int]) -> dict[int, list[int]]:
-    """rank -> its CPUs: `auto` splits this process's CPUs evenly in order, `none` binds
-    nothing, `0-3|4-7` names each rank's (this node's ranks in order)."""
+
+def cpu_binds(spec: str, ranks: list[int], nodes: Path = NODES) -> dict[int, list[int]]:
+    """rank -> its CPUs: `auto` gives each NUMA node's CPUs (of this process's) to an equal
+    share of the ranks, split evenly in order, so no rank straddles two memory buses (one
+    node: this process's CPUs split evenly); `none` binds nothing; `0-3|4-7` names each
+    rank's (this node's ranks in order)."""
     if spec == "none":
         return {}
     if spec == "auto":
-        cpus = sorted(os.sched_getaffinity(0))
-        if len(cpus) < len(ranks):  # more ranks than CPUs: they share, round robin
-            return {r: [cpus[i % len(cpus)]] for i, r in enumerate(ranks)}
-        per = len(cpus) // len(ranks)
-        return {r: cpus[i * per : (i + 1) * per] for i, r in enumerate(ranks)}
+        mine = set(os.sched_getaffinity(0))
+        numa = [c for c in (sorted(mine & set(cpus)) for cpus in numa_nodes(nodes)) if c]
+        if len(numa) > 1 and len(ranks) % len(numa) == 0:
+            per = len(ranks) // len(numa)
+            binds = {}
+            for i, cpus in enumerate(numa):
+                binds |= _split(cpus, ranks[i * per : (i + 1) * per])
+            return binds
+        # node by node, so an even share stays within a node where it fits in one
+        ordered = [c for cpus in numa for c in cpus]
+        return _split(ordered + sorted(mine - set(ordered)), ranks)
     parts = spec.split("|")
     if len(parts) != len(ranks):
         raise ValueError(
@@ -26,6 +37,19 @@ def cpu_binds(spec: str, ranks: list[int]) -> dict[int, list[int]]:
             f"{len(ranks)} ranks (one list each, joined by |)"
         )
     return {r: parse_cpus(p) for r, p in zip(ranks, parts)}
+
+
+def _split(cpus: list[int], ranks: list[int]) -> dict[int, list[int]]:
+    if len(cpus) < len(ranks):  # more ranks than CPUs: they share, round robin
+        return {r: [cpus[i % len(cpus)]] for i, r in enumerate(ranks)}
+    per = len(cpus) // len(ranks)
+    return {r: cpus[i * per : (i + 1) * per] for i, r in enumerate(ranks)}
+
+
+def numa_nodes(root: Path = NODES) -> list[list[int]]:
+    """Each NUMA node's CPUs, as Linux lists them (none where it does not)."""
+    nodes = sorted(root.glob("node[0-9]*"), key=lambda p: int(p.name[4:]))
+    return [parse_cpus(text) for p in nodes if (text := (p / "cpulist").read_text().strip())]
 
 
 def parse_cpus(text: str) -> list[int]:

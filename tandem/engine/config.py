@@ -245,8 +245,9 @@ class EngineConfig:
     )
     cpu_threads_bind: str = _flag(
         "auto",
-        "CPUs of each of this node's ranks, as VLLM_CPU_OMP_THREADS_BIND: auto (this "
-        "process's CPUs split evenly), none, or a list per rank such as 0-3|4-7",
+        "CPUs of each of this node's ranks, as VLLM_CPU_OMP_THREADS_BIND: auto (each NUMA "
+        "node's CPUs to an equal share of the ranks, split evenly), none, or a list per rank "
+        "such as 0-3|4-7",
     )
     distributed_timeout: float = _flag(
         30.0,

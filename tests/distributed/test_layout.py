@@ -94,6 +94,20 @@ def test_cpu_binding_splits_this_process_cpus_or_takes_vllms_list():
         cpu_binds("a-b|1", [0, 1])
 
 
+def test_auto_binding_keeps_each_rank_on_one_numa_node(tmp_path, monkeypatch):
+    # two sockets whose CPUs interleave (0,2,4,6 | 1,3,5,7), as many servers number them
+    for node, cpus in (("node0", "0,2,4,6"), ("node1", "1,3,5,7")):
+        (tmp_path / node).mkdir()
+        (tmp_path / node / "cpulist").write_text(cpus + "\n")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert cpu_binds("auto", [0, 1], tmp_path) == {0: [0, 2, 4, 6], 1: [1, 3, 5, 7]}
+    assert cpu_binds("auto", [0, 1, 2, 3], tmp_path) == {0: [0, 2], 1: [4, 6], 2: [1, 3], 3: [5, 7]}  # fmt: skip
+    # 3 ranks on 2 nodes: node by node, 2 CPUs each, none straddling
+    assert cpu_binds("auto", [0, 1, 2], tmp_path) == {0: [0, 2], 1: [4, 6], 2: [1, 3]}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 2, 4, 6})  # a cpuset of one node
+    assert cpu_binds("auto", [0, 1], tmp_path) == {0: [0, 2], 1: [4, 6]}
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [
