@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,8 @@ from tandem.distributed.stage import ledger_of, stage_forward
 
 log = logging.getLogger("tandem")
 
+PING_S = 2.0  # an idle server pings the ranks of other nodes this often
+
 
 class Driver:
     def __init__(self, config, vocab_size: int) -> None:
@@ -34,6 +37,7 @@ class Driver:
         self.vocab_size = vocab_size
         self.runner = self.shard = None  # rank 0's, once loaded (attach)
         self.offsets = None  # where each rank's share starts in a block's payload
+        self.last_ping = time.monotonic()
         self.workers = None
         self.ranks = None
         self.restore = None
@@ -69,8 +73,19 @@ class Driver:
         wait_for_ranks(self.store, self.rdv, "loaded", "load its weights", self.check_alive)
 
     def check_alive(self) -> None:
+        """Raise RankFailed if a rank this process watches (its children, its Ray actors)
+        has died; cheap, so collectives call it while they wait."""
         if self.workers is not None:
             self.workers.check()
+
+    def check_idle(self) -> None:
+        """An idle server's look at its ranks: the watched ones' processes, and every few
+        seconds a ping that the other nodes' ranks, which no process check reaches, must take
+        (their death closes the connection; a hung one times the ping out)."""
+        self.check_alive()
+        if self.rdv.nnodes > 1 and time.monotonic() - self.last_ping > PING_S:
+            self.ranks.broadcast(("ping",))
+            self.last_ping = time.monotonic()
 
     def send_step(self, plan, block_size: int) -> None:
         self.ranks.broadcast(("step", ledger_of(plan, block_size)))

@@ -150,7 +150,7 @@ class ModelRunner:
     def check_alive(self) -> None:
         """Raise RankFailed where a rank of a split model has died (idle servers ask)."""
         if self.distributed is not None:
-            self.distributed.check_alive()
+            self.distributed.check_idle()
 
     def close(self) -> None:
         """Stop the other ranks of a split model; nothing to do for a whole one."""

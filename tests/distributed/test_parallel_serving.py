@@ -132,7 +132,7 @@ def test_a_rank_that_never_joins_fails_the_start_naming_it(eight_heads, tmp_path
     assert "ranks [1] (node 1) did not join within 3 s" in done.stderr
 
 
-def test_two_nodes_on_loopback_serve_what_one_rank_serves(eight_heads, tmp_path):
+def test_two_nodes_on_loopback_serve_what_one_rank_serves_and_fail_together(eight_heads, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     with LLM(str(eight_heads), dtype="float32", num_kv_blocks=512) as llm:
         want = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
@@ -153,8 +153,14 @@ def test_two_nodes_on_loopback_serve_what_one_rank_serves(eight_heads, tmp_path)
         got = sorted(r.json()["choices"], key=lambda c: c["index"])
         assert [c["text"] for c in got] == want
         assert "2 ranks (tensor parallel 2 x pipeline parallel 1) on 2 node(s)" in head.log()
-        head.stop()
-        assert worker.wait(15) == 0  # the driver's stop message ends the headless node
+        # the other node's rank dies while the server idles: no process check reaches it,
+        # the idle server's ping does
+        (rank1,) = rank_pids(worker.pid).values()
+        os.kill(rank1, signal.SIGKILL)
+        killed = time.monotonic()
+        assert head.proc.wait(10) == 1 and time.monotonic() - killed < 10
+        assert "RankFailed" in head.log()
+        assert worker.wait(10) != 0  # the headless node reports its rank's death
     finally:
         head.stop()
         if worker.poll() is None:
