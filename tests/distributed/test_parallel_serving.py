@@ -37,17 +37,12 @@ def rank_pids(root_pid: int) -> dict[int, int]:
     """rank -> pid of the worker ranks under a process (its children's children too)."""
     found = {}
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
         try:
             cmd = (proc / "cmdline").read_bytes().split(b"\0")
             ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
-        if b"tandem.distributed.worker" in cmd and ppid != root_pid:
-            if _descends(ppid, root_pid):
-                found[int(cmd[cmd.index(b"--rank") + 1])] = int(proc.name)
-        elif b"tandem.distributed.worker" in cmd:
+        if b"tandem.distributed.worker" in cmd and _descends(ppid, root_pid):
             found[int(cmd[cmd.index(b"--rank") + 1])] = int(proc.name)
     return found
 
