@@ -9,7 +9,6 @@ of step after one, so no later step may run.
 
 from __future__ import annotations
 
-import logging
 import os
 import pickle
 from datetime import timedelta
@@ -21,10 +20,9 @@ from tandem.core.runner import RankFailed
 from tandem.distributed.layout import ParallelLayout
 from tandem.distributed.shm import ShmAllReduce
 
-log = logging.getLogger("tandem")
-
 SHM_MAX_BYTES = 1 << 20  # larger all-reduces (long prefill chunks) take gloo
-# The ledger's channel waits for the next step for as long as the server is idle.
+# A rank waits on the ledger's channel for the next step as long as the server idles (the
+# driver's own sends on it are bounded by the collectives' timeout: `_bounded`).
 IDLE_TIMEOUT = timedelta(days=365)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -29,8 +30,9 @@ def run_rank(config, rank: int, master_addr: str, master_port: int, cpus=None) -
     from tandem.distributed.placement import use_cpus
     from tandem.runner.builder import build_model_runner
 
-    rdv = rendezvous_of(config)
-    rdv = type(rdv)(**{**rdv.__dict__, "master_addr": master_addr, "master_port": master_port})
+    rdv = dataclasses.replace(
+        rendezvous_of(config), master_addr=master_addr, master_port=master_port
+    )
     use_cpus(cpus)
     store = open_store(rdv, is_master=False)
     store.set(f"joined/{rank}", f"{socket.gethostname()} {os.getpid()}")
