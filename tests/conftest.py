@@ -86,6 +86,43 @@ ARCH_CONFIGS = {
     ),
 }
 
+# Mixtures of experts, tiny, from transformers' own config classes: 8 experts, 2 per token.
+_MOE_BASE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    num_experts_per_tok=2,
+)
+MOE_CONFIGS = {
+    "mixtral": dict(
+        _MOE_BASE, architectures=["MixtralForCausalLM"], model_type="mixtral",
+        num_local_experts=8, intermediate_size=32, sliding_window=None,
+    ),
+    "qwen2_moe": dict(  # a shared expert; layer 1 dense; top-k weights not renormalized
+        _MOE_BASE, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe",
+        num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        intermediate_size=96, mlp_only_layers=[1], norm_topk_prob=False, use_sliding_window=False,
+    ),
+    "qwen3_moe": dict(  # q/k norms per head; head_dim != hidden / heads
+        _MOE_BASE, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+        num_experts=8, moe_intermediate_size=32, intermediate_size=96, head_dim=32,
+        norm_topk_prob=True, use_sliding_window=False,
+    ),
+    "olmoe": dict(  # q/k norms over the whole projection
+        _MOE_BASE, architectures=["OlmoeForCausalLM"], model_type="olmoe",
+        num_experts=8, intermediate_size=32, norm_topk_prob=False,
+    ),
+    "granitemoe": dict(  # Granite's scalings; experts stored stacked in the checkpoint
+        _MOE_BASE, architectures=["GraniteMoeForCausalLM"], model_type="granitemoe",
+        num_local_experts=8, intermediate_size=32, embedding_multiplier=6.0,
+        residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0,
+    ),
+}  # fmt: skip
+
 
 def build_tokenizer(folder: Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -120,8 +157,9 @@ def build_checkpoint(folder: Path, arch: str, seed: int = 0, **overrides) -> Pat
 
     folder.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(folder)
+    configs = {**ARCH_CONFIGS, **MOE_CONFIGS}
     cfg_dict = dict(
-        ARCH_CONFIGS[arch],
+        configs[arch],
         **overrides,
         vocab_size=len(tok),
         max_position_embeddings=1024,
@@ -135,7 +173,7 @@ def build_checkpoint(folder: Path, arch: str, seed: int = 0, **overrides) -> Pat
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(str(folder), safe_serialization=True)
     cfg = json.loads((folder / "config.json").read_text())
-    assert cfg["architectures"] == ARCH_CONFIGS[arch]["architectures"]
+    assert cfg["architectures"] == configs[arch]["architectures"]
     return folder
 
 
@@ -143,6 +181,12 @@ def build_checkpoint(folder: Path, arch: str, seed: int = 0, **overrides) -> Pat
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")
     return {arch: build_checkpoint(root / arch, arch) for arch in ARCH_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def moe_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe")
+    return {arch: build_checkpoint(root / arch, arch) for arch in MOE_CONFIGS}
 
 
 @pytest.fixture(scope="session")
@@ -158,10 +202,10 @@ def hf_models(checkpoints):
 
     cache = {}
 
-    def get(arch: str):
+    def get(arch: str, path: Path | None = None):
         if arch not in cache:
             model = AutoModelForCausalLM.from_pretrained(
-                str(checkpoints[arch]), dtype=torch.float32
+                str(path or checkpoints[arch]), dtype=torch.float32
             ).eval()
             model.generation_config.eos_token_id = None  # run to max_new_tokens, as ignore_eos
             cache[arch] = model

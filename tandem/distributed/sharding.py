@@ -13,11 +13,14 @@ import torch
 from torch import nn
 
 from tandem.core.model_config import ModelConfig
+from tandem.distributed.experts import ExpertDispatch, held_by
 from tandem.distributed.layout import ParallelLayout, kv_heads_of, local_vocab, rank_config
+from tandem.model.moe import SparseMoE
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
-COLUMN = ("q_proj", "gate_proj", "up_proj")
-ROW = ("o_proj", "down_proj")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+COLUMN = ("q_proj", "gate_proj", "up_proj", "w1", "w3")
+ROW = ("o_proj", "down_proj", "w2")
 
 
 class RankShard:
@@ -31,6 +34,9 @@ class RankShard:
         self.first_stage, self.last_stage = self.stage == 0, self.stage == layout.pp - 1
         self.vocab_rows = local_vocab(cfg.vocab_size, self.tp)
         self.kv_heads = kv_heads_of(cfg, self.tp, self.tp_rank)  # the model's, this rank's
+        self.held = None  # expert parallelism: the experts this rank holds (global ids)
+        if layout.ep and cfg.moe is not None:
+            self.held = held_by(cfg.moe.num_experts, self.tp, layout.expert_placement, self.tp_rank)  # fmt: skip
 
     def local_name(self, name: str) -> str | None:
         """Checkpoint tensor `name` as this rank's model names it (its stage's layers count
@@ -41,13 +47,23 @@ class RankShard:
         i = int(m.group(1))
         if i not in self.layers:
             return None
-        return f"{name[: m.start()]}.layers.{i - self.layers.start}.{name[m.end() :]}"
+        name = f"{name[: m.start()]}.layers.{i - self.layers.start}.{name[m.end() :]}"
+        e = _EXPERT.search(name)
+        if self.held is None or e is None:
+            return name
+        if int(e.group(1)) not in self.held:
+            return None
+        return f"{name[: e.start()]}.experts.{self.held.index(int(e.group(1)))}.{name[e.end() :]}"
 
     def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The rank's slice of checkpoint tensor `name`."""
         if self.tp == 1:
             return tensor
         part = name.split(".")[-2]
+        if name.endswith(("input_linear.weight", "output_linear.weight")):
+            return self._stacked_experts(part, tensor)
+        if _EXPERT.search(name) and self.held is not None:
+            return tensor  # a whole expert (local_name kept only this rank's)
         if part in COLUMN:
             return tensor.chunk(self.tp, 0)[self.tp_rank]
         if part in ("k_proj", "v_proj"):
@@ -59,6 +75,17 @@ class RankShard:
         if name.endswith(("embed_tokens.weight", "lm_head.weight")):
             return self.vocab_slice(tensor)
         return tensor
+
+    def _stacked_experts(self, part: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint's experts stacked in one tensor (Granite: input_linear [E, 2I, H],
+        gate rows then up; output_linear [E, H, I]): this rank's experts, or its columns."""
+        if self.held is not None:
+            return tensor[list(self.held)]
+        t, tp = self.tp_rank, self.tp
+        if part == "output_linear":
+            return tensor.chunk(tp, 2)[t]
+        gate, up = tensor.chunk(2, 1)
+        return torch.cat([gate.chunk(tp, 1)[t], up.chunk(tp, 1)[t]], 1)
 
     def vocab_slice(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rows [r * V/tp, (r + 1) * V/tp) of a [vocab, ...] tensor, zero rows past the end."""
@@ -109,7 +136,8 @@ class RankShard:
     def model_config(self) -> ModelConfig:
         """The config this rank's model is built from: its heads, columns, vocabulary rows
         and its stage's layers."""
-        return dataclasses.replace(rank_config(self.cfg, self.tp), num_layers=len(self.layers))
+        local = rank_config(self.cfg, self.tp, self.held)
+        return dataclasses.replace(local, num_layers=len(self.layers))
 
     def wire(self, model, ranks) -> None:
         """Sum the row-parallel outputs and the embedding's rows over the stage's ranks."""
@@ -117,6 +145,10 @@ class RankShard:
             return
         for layer in model.model.layers:
             layer.self_attn.reduce = layer.mlp.reduce = ranks.all_reduce
+            if self.held is not None and isinstance(layer.mlp, SparseMoE):
+                layer.mlp.dispatch = ExpertDispatch(
+                    ranks, self.cfg.moe.num_experts, self.layout.expert_placement
+                )
         start = self.tp_rank * self.vocab_rows
         model.model.embed_tokens = VocabParallelEmbedding(
             model.model.embed_tokens, start, self.vocab_rows, ranks.all_reduce

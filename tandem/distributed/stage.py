@@ -48,7 +48,7 @@ def stage_forward(model, inputs, ranks, vocab_size: int) -> torch.Tensor | None:
     m = model.model
     rope = m.rotary.rows(inputs.positions)
     if ranks.first_stage:
-        x, residual = m.embed_tokens(inputs.input_ids), None
+        x, residual = m.embed(inputs.input_ids), None
     else:
         shape = (len(inputs.input_ids), model.config.hidden_size)
         x, residual = ranks.recv_activations(shape, m.norm.weight.dtype)

@@ -225,6 +225,18 @@ class EngineConfig:
     pipeline_parallel_size: int = _flag(
         1, "stages the layers are split into, each on its own ranks", aliases=("-pp",)
     )
+    enable_expert_parallel: bool = _flag(
+        False,
+        "a mixture of experts' experts spread whole over the tensor-parallel ranks (each "
+        "expert on one rank; tokens sent to their experts and back by all-to-all) instead of "
+        "each expert split over them",
+    )
+    expert_placement_strategy: str = _flag(
+        "linear",
+        "which rank holds which expert under --enable-expert-parallel: linear (rank r the "
+        "r-th contiguous range) or round_robin (expert e on rank e mod ranks)",
+        choices=("linear", "round_robin"),
+    )
     distributed_executor_backend: str = _flag(
         "mp",
         "how ranks past the first start: mp (processes on this node; with --nnodes, a "
@@ -351,6 +363,12 @@ class EngineConfig:
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self._check_choice("distributed_executor_backend", ("mp", "ray"))
+        self._check_choice("expert_placement_strategy", ("linear", "round_robin"))
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError(
+                "enable_expert_parallel: experts spread over the tensor-parallel ranks; "
+                "set tensor_parallel_size >= 2"
+            )
         if not (isinstance(self.node_rank, int) and 0 <= self.node_rank < self.nnodes):
             raise ValueError(f"node_rank must be in [0, nnodes - 1 = {self.nnodes - 1}], got {self.node_rank!r}")  # fmt: skip
         if self.world_size % self.nnodes:

@@ -340,8 +340,14 @@ class EngineCore:
             num_steps=self.num_steps,
             execute_seconds=self.execute_seconds,
             execute_cpu_seconds=self.execute_cpu_seconds,
+            expert_tokens=self.expert_load(),
             **(self._tier_stats() if self.kv_tiers is not None else {}),
         )
+
+    def expert_load(self) -> list[int]:
+        """Tokens routed to each expert so far (a mixture of experts; else empty)."""
+        load = getattr(self.runner, "expert_load", None)
+        return load() if load is not None else []
 
     def _tier_stats(self) -> dict:
         tiers = self.kv_tiers

@@ -93,6 +93,9 @@ class EngineStats:
     kv_tiers: list[TierStats] = field(default_factory=list)
     kv_tier_loads: LoadStats | None = None
     kv_load_seconds: list[float] = field(default_factory=list)
+    # a mixture of experts: tokens routed to each expert, summed over the layers, cumulative
+    # (empty for a dense model)
+    expert_tokens: list[int] = field(default_factory=list)
 
 
 class CoreReady(msgspec.Struct, tag="ready", array_like=True):

@@ -117,6 +117,9 @@ def load_adapter(path: str | Path, cfg: ModelConfig, max_rank: int) -> AdapterWe
         if layer >= cfg.num_layers:
             raise ValueError(f"adapter: {key!r} is for layer {layer}; the base model has "
                              f"{cfg.num_layers}")  # fmt: skip
+        if fused in ("gate_up_proj", "down_proj") and cfg.is_moe_layer(layer):
+            raise ValueError(f"adapter: {key!r} targets layer {layer}'s MLP, a mixture of "
+                             "experts: LoRA adapts attention projections there")  # fmt: skip
         halves.setdefault((layer, fused, shard), {})[m.group(3)] = t
     if not halves:
         raise ValueError("adapter: adapter_model.safetensors holds no LoRA weights")

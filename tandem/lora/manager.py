@@ -30,8 +30,9 @@ class LoRAManager:
         self.kernel = kernels.lora_bgmv() if cpu else None
         lora_dtype = torch.float32 if cpu and self.kernel is None else dtype  # see layers.py
         for i, layer in enumerate(model.model.layers):
-            for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                                 (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):  # fmt: skip
+            # an MoE layer's experts are not adapted (adapter.py refuses weights for them)
+            mlp = [] if cfg.is_moe_layer(i) else [(layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")]  # fmt: skip
+            for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"), *mlp):  # fmt: skip
                 outs = [out for _, out in shapes[name]]
                 base = getattr(parent, name)
                 wrapped = LoRALinear(

@@ -46,7 +46,7 @@ class DecodeStack:
 def build_decode_stack(model: nn.Module, fused) -> DecodeStack | None:
     """The loaded model's layers as one DecodeStack, or None where one does not fit (see the
     module docstring)."""
-    if fused is None or not hasattr(fused, "DecodeStack"):
+    if fused is None or not hasattr(fused, "DecodeStack") or not model.plain_layers():
         return None
     inner = model.model
     layers = list(inner.layers)

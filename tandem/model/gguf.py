@@ -1,4 +1,5 @@
-"""GGUF files of Llama-architecture models, turned into an HF checkpoint folder once.
+"""GGUF files of Llama-architecture models (and llama.cpp's mixtures of experts: Mixtral as
+`llama` with experts, `qwen3moe`), turned into an HF checkpoint folder once.
 
 Dequantizing and rebuilding the tokenizer from GGUF metadata takes ~15 s for the default
 model, so the result (config.json, float32 safetensors, tokenizer files) is cached under
@@ -33,6 +34,16 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's, per head
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# llama.cpp's MoE tensors: the router, and each layer's experts stacked [experts, out, in]
+_EXPERT_NAMES = {"ffn_gate_exps.weight": 0, "ffn_up_exps.weight": 1, "ffn_down_exps.weight": 2}
+# GGUF architecture -> (its HF architecture with experts, model_type, per-expert names of
+# gate, up, down, the MoE block's name, the router's)
+_MOE_ARCHS = {
+    "llama": ("MixtralForCausalLM", "mixtral", ("w1", "w3", "w2"), "block_sparse_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe", ("gate_proj", "up_proj", "down_proj"), "mlp"),
 }
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -96,39 +107,63 @@ def _convert(path: Path, out: Path) -> None:
         if not k.startswith("tokenizer.ggml.") or k in small
     }
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF general.architecture {arch!r} is not supported; supported: llama")
-    heads, kv_heads = meta["llama.attention.head_count"], meta.get("llama.attention.head_count_kv")
+    if arch not in _MOE_ARCHS:
+        raise ValueError(
+            f"GGUF general.architecture {arch!r} is not supported; supported: llama, qwen3moe"
+        )
+    heads, kv_heads = meta[f"{arch}.attention.head_count"], meta.get(f"{arch}.attention.head_count_kv")  # fmt: skip
     kv_heads = kv_heads or heads
-    hidden = meta["llama.embedding_length"]
+    hidden = meta[f"{arch}.embedding_length"]
     names = {t.name: t for t in reader.tensors}
+    experts = meta.get(f"{arch}.expert_count") or 0
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": int(names["token_embd.weight"].shape[1]),  # GGUF shapes are [in, out]
         "hidden_size": hidden,
-        "intermediate_size": meta["llama.feed_forward_length"],
-        "num_hidden_layers": meta["llama.block_count"],
+        "intermediate_size": meta[f"{arch}.feed_forward_length"],
+        "num_hidden_layers": meta[f"{arch}.block_count"],
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "head_dim": meta.get("llama.attention.key_length", hidden // heads),
-        "rms_norm_eps": meta["llama.attention.layer_norm_rms_epsilon"],
-        "rope_theta": meta.get("llama.rope.freq_base", 10000.0),
-        "max_position_embeddings": meta.get("llama.context_length", 2048),
+        "head_dim": meta.get(f"{arch}.attention.key_length", hidden // heads),
+        "rms_norm_eps": meta[f"{arch}.attention.layer_norm_rms_epsilon"],
+        "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0),
+        "max_position_embeddings": meta.get(f"{arch}.context_length", 2048),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
+    moe_arch, model_type, expert_parts, block = _MOE_ARCHS[arch]
+    if experts or arch != "llama":
+        config |= {
+            "architectures": [moe_arch],
+            "model_type": model_type,
+            "num_local_experts": experts,
+            "num_experts_per_tok": meta[f"{arch}.expert_used_count"],
+            "norm_topk_prob": True,  # llama.cpp's Mixtral and Qwen3-MoE renormalize the top k
+        }
+        if f"{arch}.expert_feed_forward_length" in meta:
+            config["moe_intermediate_size"] = meta[f"{arch}.expert_feed_forward_length"]
+    permute = arch == "llama"  # llama.cpp interleaves Llama's rotary halves, not Qwen's
     tensors = {}
     for t in reader.tensors:
         w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+        layer, _, part = t.name.removeprefix("blk.").partition(".")
+        if part in _EXPERT_NAMES:  # one tensor per expert, as HF checkpoints hold them
+            kind = expert_parts[_EXPERT_NAMES[part]]
+            for e in range(w.shape[0]):
+                tensors[f"model.layers.{layer}.{block}.experts.{e}.{kind}.weight"] = w[e].clone()
+            continue
+        if part == "ffn_gate_inp.weight":
+            tensors[f"model.layers.{layer}.{block}.gate.weight"] = w
+            continue
         name = _hf_name(t.name)
         if name is None:
             continue
         # llama.cpp interleaves the rotary halves of q and k; undo it for rotate-half RoPE.
-        if name.endswith("q_proj.weight"):
+        if permute and name.endswith("q_proj.weight"):
             w = unpermute(w, heads)
-        elif name.endswith("k_proj.weight"):
+        elif permute and name.endswith("k_proj.weight"):
             w = unpermute(w, kv_heads)
         tensors[name] = w
     save_file(tensors, str(out / "model.safetensors"))

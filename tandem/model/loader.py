@@ -12,6 +12,7 @@ import torch
 
 from tandem.core.model_config import ModelConfig, default_model_path
 from tandem.model.llama import LlamaForCausalLM
+from tandem.model.moe import EXPERT_TENSOR, moe_param_name
 
 
 def resolve_model(model: str | Path | None) -> Path:
@@ -72,13 +73,10 @@ def load_weights(model: LlamaForCausalLM, folder: Path, shard=None) -> None:
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
-    # (parameter, shard index or None): a fused parameter is whole once each shard is loaded
-    fused_names = {fused for fused, _ in model.stacked_params.values()}
+    # (parameter, shard key or None): a fused parameter is whole once each shard is loaded
     missing = set()
-    for pname in params:
-        fused = pname.split(".")[-2]
-        shards = len(model.shard_sizes(fused)) if fused in fused_names else 0
-        missing.update([(pname, i) for i in range(shards)] or [(pname, None)])
+    for pname, param in params.items():
+        missing.update((pname, key) for key in _shard_keys(model, pname, param))
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             for source in f.keys():
@@ -89,13 +87,13 @@ def load_weights(model: LlamaForCausalLM, folder: Path, shard=None) -> None:
                     or (name == "lm_head.weight" and name not in params)
                 ):
                     continue
-                target, index, rows = _target_of(model, name)
+                target, key, index = _target_of(model, moe_param_name(name))
                 if target not in params:
                     raise ValueError(
                         f"model: checkpoint tensor {name!r} has no place in {type(model).__name__}"
                     )
                 param = params[target].data
-                dest = param if rows is None else param[rows]
+                dest = param if index is None else param[index]
                 tensor = f.get_tensor(source)
                 if shard is not None:
                     tensor = shard(source, tensor)
@@ -104,17 +102,43 @@ def load_weights(model: LlamaForCausalLM, folder: Path, shard=None) -> None:
                         f"model: {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
                     )
                 dest.copy_(tensor)
-                missing.discard((target, index))
+                if key == "all":  # a checkpoint's own stacked experts (Granite)
+                    missing -= {(target, k) for k in _shard_keys(model, target, param)}
+                missing.discard((target, key))
     if missing:
         names = sorted({p if s is None else f"{p}[shard {s}]" for p, s in missing})
         raise ValueError(f"model: checkpoint is missing weights {names[:5]}")
 
 
-def _target_of(model: LlamaForCausalLM, name: str) -> tuple[str, int | None, slice | None]:
-    """Map a checkpoint tensor to (parameter name, shard index, row slice of the parameter)."""
-    for shard, (fused, index) in model.stacked_params.items():
-        if f".{shard}." in name:
-            sizes = model.shard_sizes(fused)
+def _shard_keys(model, pname: str, param) -> list:
+    """The pieces a parameter is loaded in: [None] for a whole one."""
+    owner, _, leaf = pname.rpartition(".")
+    module_name, _, fused = owner.rpartition(".")
+    if leaf in ("w13", "w2"):  # stacked experts: per expert, gate and up apart
+        halves = (0, 1) if leaf == "w13" else (None,)
+        return [(e, h) for e in range(param.shape[0]) for h in halves]
+    sizes = getattr(model.get_submodule(module_name), "shard_sizes", {}) if module_name else {}
+    return list(range(len(sizes[fused]))) if fused in sizes else [None]
+
+
+def _target_of(model: LlamaForCausalLM, name: str):
+    """Map a checkpoint tensor (its MoE names made ours) to (parameter name, shard key,
+    index of the parameter it fills or None for all of it)."""
+    expert = EXPERT_TENSOR.search(name)
+    if expert is not None:
+        e, part = int(expert.group(1)), expert.group(2)
+        target = name[: expert.start()] + (".w2" if part in ("w2", "down_proj") else ".w13")
+        if part in ("w2", "down_proj"):
+            return target, (e, None), e
+        half = int(part in ("w3", "up_proj"))
+        rows = model.get_submodule(target.rpartition(".")[0]).moe.intermediate_size
+        return target, (e, half), (e, slice(half * rows, (half + 1) * rows))
+    if name.endswith((".mlp.w13", ".mlp.w2")):
+        return name, "all", None
+    for part, (fused, index) in model.stacked_params.items():
+        if f".{part}." in name:
+            target = name.replace(part, fused)
+            sizes = model.get_submodule(target.rsplit(".", 2)[0]).shard_sizes[fused]
             start = sum(sizes[:index])
-            return name.replace(shard, fused), index, slice(start, start + sizes[index])
+            return target, index, slice(start, start + sizes[index])
     return name, None, None

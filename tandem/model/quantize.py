@@ -90,7 +90,9 @@ def _from_float(model, method: str, group: int) -> str:
     head = int4_linear(lm.in_features, lm.out_features, terms, "int8 (group 32)", lm.bias, device)
     tied = model.config.tie_word_embeddings
     _swap_head(model, head, head if tied else None)
-    fmt = model.model.layers[0].mlp.down_proj.fmt
+    fmt = model.model.layers[0].self_attn.o_proj.fmt
+    if model.moe_blocks():
+        fmt += " (experts float)"
     return f"{fmt} projections, {head.fmt} output head{' and tied embedding' if tied else ''}"
 
 
@@ -139,6 +141,8 @@ def _gguf_layers(cfg, path: Path) -> dict[str, tuple]:
     if not cache.exists():
         cache.parent.mkdir(exist_ok=True)
         specs = _read_gguf_layers(cfg, path)
+        if not specs:  # no type with int4 terms (a float32 file): nothing to cache
+            return {}
         tensors, meta = {}, {}
         for name, (k, n, terms, fmt) in specs.items():
             meta[name] = json.dumps([k, n, fmt, [t.group for t in terms]])
@@ -163,11 +167,14 @@ def _read_gguf_layers(cfg, path: Path) -> dict[str, tuple]:
     from gguf import GGUFReader
 
     tensors = {t.name: t for t in GGUFReader(path).tensors}
-    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+    # llama.cpp interleaves Llama's (and Mixtral's) rotary halves of q and k, not Qwen's
+    llama = cfg.architecture in ("LlamaForCausalLM", "MixtralForCausalLM")
+    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads} if llama else {}
     wanted = {
         f"layers.{i}.{attr}": [(tensors[f"blk.{i}.{s}.weight"], heads.get(s)) for s in shards]
         for i in range(cfg.num_layers)
         for attr, shards in GGUF_SHARDS.items()
+        if f"blk.{i}.{shards[0]}.weight" in tensors  # an MoE layer has no ffn_gate/up/down
     }
     embd = tensors["token_embd.weight"]
     wanted["lm_head"] = [(tensors.get("output.weight", embd), None)]  # none: tied
@@ -199,8 +206,12 @@ def _fused(shards: list) -> tuple | None:
 
 
 def _projections(layer) -> list[tuple[nn.Module, str]]:
+    """A layer's projections that quantize: an MoE layer's experts stay in float (their
+    grouped matmul has no quantized form), its shared expert quantizes."""
     attn, mlp = layer.self_attn, layer.mlp
-    return [(attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")]
+    mlp = getattr(mlp, "shared_expert", mlp)
+    dense = [] if mlp is None else [(mlp, "gate_up_proj"), (mlp, "down_proj")]
+    return [(attn, "qkv_proj"), (attn, "o_proj"), *dense]
 
 
 def _swap_head(model, head, embedding) -> None:

@@ -74,7 +74,10 @@ def build_model_runner(config, rank: int = 0, ranks=None) -> LoadedRunner:
     path = resolve_model(config.model)
     mcfg = ModelConfig.from_folder(path)
     max_model_len = resolve_max_model_len(mcfg, config.max_model_len)
-    layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size)
+    layout = ParallelLayout(
+        config.tensor_parallel_size, config.pipeline_parallel_size,
+        config.enable_expert_parallel, config.expert_placement_strategy,
+    )  # fmt: skip
     if layout.world_size == 1:
         return _build(config, path, mcfg, method, gguf, dtype, device, max_model_len)
     check_splits(mcfg, layout)

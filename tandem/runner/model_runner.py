@@ -147,6 +147,12 @@ class ModelRunner:
             if pool is not None:
                 pool.zero_()
 
+    def expert_load(self) -> list[int]:
+        """Tokens routed to each expert so far, summed over the MoE layers (this rank
+        routes every token: the router is whole on each); empty for a dense model."""
+        blocks = self.model.moe_blocks()
+        return sum(b.routed for b in blocks).tolist() if blocks else []
+
     def check_alive(self) -> None:
         """Raise RankFailed where a rank of a split model has died (idle servers ask)."""
         if self.distributed is not None:

@@ -130,6 +130,14 @@ class Metrics:
             for field, name, doc in _TIER_COUNTERS
         }  # fmt: skip
         self._tier_totals: dict[tuple[str, str], float] = {}
+        # a mixture of experts (none for a dense model): what shows the experts' imbalance
+        self.expert_tokens = Counter(
+            "tandem:moe_expert_tokens",
+            "Tokens routed to each expert, summed over the MoE layers (top-k: k per token per layer)",
+            [*_LABELS, "expert"],
+            registry=self.registry,
+        )
+        self._expert_tokens: list[int] = []
         self.kv_lookups = self._counter(
             "kv_offload_lookups", "Admissions that asked the KV tiers for a prefix"
         )
@@ -209,6 +217,11 @@ class Metrics:
         for seconds in stats.kv_transfer_seconds:
             self.kv_seconds.observe(seconds)
         self._on_tier_stats(stats)
+        for expert, new in enumerate(stats.expert_tokens):
+            old = self._expert_tokens[expert] if expert < len(self._expert_tokens) else 0
+            if new > old:
+                self.expert_tokens.labels(*self._labels, str(expert)).inc(new - old)
+        self._expert_tokens = list(stats.expert_tokens)
         self.step_time.set(stats.step_seconds)
         if stats.predicted_step_seconds is not None:
             self.step_predicted.set(stats.predicted_step_seconds)

@@ -43,6 +43,11 @@ def add_parser(sub) -> None:
     q.add_argument(
         "--pp", nargs="+", type=int, default=[1], help="pipeline-parallel degrees (stages)"
     )
+    q.add_argument(
+        "--ep", nargs="+", choices=("off", "on"), default=["off"],
+        help="a mixture of experts' experts split by columns (off) or spread whole over the "
+        "tp devices (on, all-to-all); both: compare",
+    )  # fmt: skip
     q.add_argument("--mode", choices=("colocated", "disaggregated", "both"), default="both")
     q.add_argument("--max-instances", type=int, default=16)
     q.add_argument("--router", default="least_load")
@@ -226,7 +231,8 @@ def plan(args: argparse.Namespace) -> int:
 
     planner = Planner(base, evaluate, args.slo_target, args.max_instances, price)
     best = planner.search(args.hardware, args.tp, colocated=args.mode != "disaggregated",
-                          disaggregated=args.mode != "colocated", pps=args.pp)  # fmt: skip
+                          disaggregated=args.mode != "colocated", pps=args.pp,
+                          eps=tuple(e == "on" for e in args.ep))  # fmt: skip
     print(BANNER)
     print(f"{len(requests)} requests at {args.request_rate:g} req/s, SLO attainment target "
           f"{args.slo_target:.0%}; {len(planner.probes)} clusters simulated")  # fmt: skip

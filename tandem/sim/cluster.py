@@ -8,6 +8,7 @@ JSON, checked with errors naming the field.
     engine: {max_num_seqs: 256, max_num_batched_tokens: 8192, block_size: 16}
     groups:
       - {name: h100, hardware: H100, count: 4, tp: 1, pp: 1, price_per_hour: 2.5}
+        # ep: true spreads a mixture of experts' experts over the tp devices (all-to-all)
       - {name: local, cost_model: cost.json, kv_tokens: 100000, count: 1}
       - {name: b200, count: 2, hardware: {name: B200, bf16_tflops: 2250, mem_bandwidth_gbs: 8000,
                                           mem_gib: 180, price_per_hour: 6.0}}  # any accelerator
@@ -173,7 +174,10 @@ def _group(g: dict, i: int, model: ModelSpec, base: Path) -> GroupSpec:
             raise ValueError(
                 f"{where}.hardware.interconnect_gbs: tp {tp} x pp {pp} needs the link between devices"  # fmt: skip
             )
-        cost = roofline_cost_model(hw, model, tp, pp=pp)
+        ep = g.get("ep", False)
+        if not isinstance(ep, bool):
+            raise ValueError(f"{where}.ep must be true or false, got {ep!r}")
+        cost = roofline_cost_model(hw, model, tp, pp=pp, ep=ep)
         kv = int(g.get("kv_tokens") or kv_capacity_tokens(hw, model, tp, pp=pp))
         price = hw.price_per_hour * tp * pp
     caching, noise = g.get("prefix_caching", True), g.get("step_noise", True)

@@ -33,6 +33,7 @@ class Layout:
     decode: int = 0
     decode_hardware: str = ""
     pp: int = 1
+    ep: bool = False  # a mixture of experts' experts spread over the tp devices
 
     @property
     def instances(self) -> int:
@@ -42,6 +43,8 @@ class Layout:
         """The cluster file this layout is, over `base` (model, router, engine, link)."""
         settings = {k: v for k, v in base.items() if k != "link"}
         group = {"hardware": self.hardware, "tp": self.tp, "pp": self.pp}
+        if self.ep:
+            group["ep"] = True
         if self.count:
             return settings | {"groups": [group | {"name": self.hardware, "count": self.count}]}
         decode = group | {"hardware": self.decode_hardware or self.hardware}
@@ -55,6 +58,7 @@ class Layout:
 
     def describe(self) -> str:
         tp = (f" tp{self.tp}" if self.tp > 1 else "") + (f" pp{self.pp}" if self.pp > 1 else "")
+        tp += " ep" if self.ep else ""
         if self.count:
             return f"{self.count} x {self.hardware}{tp}"
         return f"{self.prefill}P {self.hardware}{tp} + {self.decode}D " + (
@@ -114,17 +118,21 @@ class Planner:
         return self.probe(make(good))
 
     def search(self, hardware: list[str], tps: list[int], colocated: bool = True,
-               disaggregated: bool = False, pps: tuple[int, ...] = (1,)) -> Probe | None:  # fmt: skip
-        """The cheapest probe that meets the target (None: nothing within max_instances)."""
-        for hw, tp, pp in itertools.product(hardware, tps, pps):
-            split = f"tp{tp}" + (f" pp{pp}" if pp > 1 else "")
+               disaggregated: bool = False, pps: tuple[int, ...] = (1,),
+               eps: tuple[bool, ...] = (False,)) -> Probe | None:  # fmt: skip
+        """The cheapest probe that meets the target (None: nothing within max_instances).
+        eps: experts split by columns (False) and/or spread whole (True; tp > 1 only)."""
+        for hw, tp, pp, ep in itertools.product(hardware, tps, pps, eps):
+            if ep and tp == 1:
+                continue
+            split = f"tp{tp}" + (f" pp{pp}" if pp > 1 else "") + (" ep" if ep else "")
             if colocated:
                 self._skipping(f"{hw} {split}", self.least,
-                               functools.partial(_colocated, hw, tp, pp), self.max_instances)  # fmt: skip
+                               functools.partial(_colocated, hw, tp, pp, ep), self.max_instances)  # fmt: skip
             if disaggregated:
                 for decode_hw in hardware:
                     self._skipping(f"{hw}->{decode_hw} {split}", self._disaggregated, hw,
-                                   decode_hw, tp, pp)  # fmt: skip
+                                   decode_hw, tp, pp, ep)  # fmt: skip
         return self.cheapest()
 
     def _skipping(self, what: str, search, *args) -> None:
@@ -133,13 +141,14 @@ class Planner:
         except ValueError as e:  # the model does not fit this hardware at this tp
             self.skipped[what] = str(e)
 
-    def _disaggregated(self, prefill_hw: str, decode_hw: str, tp: int, pp: int = 1) -> None:
+    def _disaggregated(self, prefill_hw: str, decode_hw: str, tp: int, pp: int = 1,
+                       ep: bool = False) -> None:  # fmt: skip
         for p in range(1, self.max_instances):
             best = self.cheapest()
-            floor = Layout(prefill_hw, tp, prefill=p, decode=1, decode_hardware=decode_hw, pp=pp)
+            floor = Layout(prefill_hw, tp, prefill=p, decode=1, decode_hardware=decode_hw, pp=pp, ep=ep)  # fmt: skip
             if best is not None and self.price(floor.cluster(self.base)) >= best.price_per_hour:
                 return  # more prefill instances only cost more than what already meets
-            pair = functools.partial(_disaggregated, prefill_hw, decode_hw, tp, pp, p)
+            pair = functools.partial(_disaggregated, prefill_hw, decode_hw, tp, pp, ep, p)
             self.least(pair, self.max_instances - p)
 
     def cheapest(self) -> Probe | None:
@@ -205,9 +214,9 @@ def plot_plan(planner: Planner, path) -> object:
     return _save(fig, path)
 
 
-def _colocated(hw: str, tp: int, pp: int, n: int) -> Layout:
-    return Layout(hw, tp, count=n, pp=pp)
+def _colocated(hw: str, tp: int, pp: int, ep: bool, n: int) -> Layout:
+    return Layout(hw, tp, count=n, pp=pp, ep=ep)
 
 
-def _disaggregated(prefill_hw: str, decode_hw: str, tp: int, pp: int, p: int, d: int) -> Layout:
-    return Layout(prefill_hw, tp, prefill=p, decode=d, decode_hardware=decode_hw, pp=pp)
+def _disaggregated(prefill_hw: str, decode_hw: str, tp: int, pp: int, ep: bool, p: int, d: int) -> Layout:  # fmt: skip
+    return Layout(prefill_hw, tp, prefill=p, decode=d, decode_hardware=decode_hw, pp=pp, ep=ep)

@@ -32,10 +32,18 @@ class ModelSpec:
     intermediate_size: int
     vocab_size: int
     tie_word_embeddings: bool = False
+    # a mixture of experts (0 experts: dense): each token multiplies `experts_per_token` of
+    # them (and the shared expert, where there is one), but a step reads every expert a token
+    # of it routes to: all of them, at a serving batch (1 - (1 - k/E)^B of them at B tokens)
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_intermediate_size: int = 0
 
     @classmethod
     def from_config(cls, name: str, cfg: dict) -> ModelSpec:
         heads = cfg["num_attention_heads"]
+        experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
         return cls(
             name=name,
             num_layers=cfg["num_hidden_layers"],
@@ -46,6 +54,12 @@ class ModelSpec:
             intermediate_size=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            num_experts=experts,
+            experts_per_token=cfg.get("num_experts_per_tok", 0) if experts else 0,
+            expert_intermediate_size=(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+            if experts
+            else 0,  # fmt: skip
+            shared_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
         )
 
     @classmethod
@@ -63,14 +77,22 @@ class ModelSpec:
             )
         return cls.from_config(path.parent.name, json.loads(path.read_text()))
 
-    @property
-    def layer_params(self) -> int:
+    def _layer_params(self, experts: int) -> int:
         h, q, kv = (
             self.hidden_size,
             self.num_heads * self.head_dim,
             self.num_kv_heads * self.head_dim,
         )
-        return h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 2 * h
+        attention = h * (q + 2 * kv) + q * h + 2 * h
+        if not self.num_experts:
+            return attention + 3 * h * self.intermediate_size
+        shared = 3 * h * self.shared_intermediate_size + (h if self.shared_intermediate_size else 0)
+        router = h * self.num_experts
+        return attention + router + shared + experts * 3 * h * self.expert_intermediate_size
+
+    @property
+    def layer_params(self) -> int:
+        return self._layer_params(self.num_experts)
 
     @property
     def params(self) -> int:
@@ -79,8 +101,10 @@ class ModelSpec:
 
     @property
     def matmul_params(self) -> int:
-        """Parameters a token multiplies by (not the embedding lookup)."""
-        return self.num_layers * self.layer_params + self.vocab_size * self.hidden_size
+        """Parameters a token multiplies by (not the embedding lookup): of a mixture of
+        experts, its active ones (its experts_per_token experts)."""
+        active = self._layer_params(self.experts_per_token)
+        return self.num_layers * active + self.vocab_size * self.hidden_size
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
@@ -119,17 +143,30 @@ MODELS = {
                          tie_word_embeddings=True),  # tandem's bundled model
     "qwen2.5-32b": dict(num_hidden_layers=64, hidden_size=5120, num_attention_heads=40,
                         num_key_value_heads=8, intermediate_size=27648, vocab_size=152064),
+    "mixtral-8x7b": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+                         num_key_value_heads=8, intermediate_size=14336, vocab_size=32000,
+                         num_local_experts=8, num_experts_per_tok=2),
+    "qwen3-30b-a3b": dict(num_hidden_layers=48, hidden_size=2048, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                          moe_intermediate_size=768, vocab_size=151936, num_experts=128,
+                          num_experts_per_tok=8),
 }  # fmt: skip
 
 STEP_OVERHEAD_S = 0.002  # scheduling, launches and sampling of one step (an assumption)
 ALLREDUCE_LATENCY_S = 10e-6  # per all-reduce with TP > 1 (two a layer)
 STAGE_HANDOFF_S = 20e-6  # per pipeline stage boundary a step crosses (pp > 1)
+ALLTOALL_LATENCY_S = 20e-6  # per all-to-all (expert parallelism: two a MoE layer)
 
 
 def roofline_cost_model(hw: Hardware, model: ModelSpec, tp: int = 1, dtype_bytes: int = 2,
-                        pp: int = 1) -> CostModel:  # fmt: skip
+                        pp: int = 1, ep: bool = False) -> CostModel:  # fmt: skip
     """step seconds = weights read once + compute per token + KV read + attention FLOPs,
     each divided by what `tp` devices provide, plus two all-reduces a layer with tp > 1.
+
+    A mixture of experts computes its active parameters per token and reads all of them each
+    step. Split by expert (ep, over the tp devices, tandem's --enable-expert-parallel), each
+    token's row also travels to its k experts and back, (tp - 1) / tp of them to another
+    device: two all-to-alls a MoE layer, with routing assumed balanced over the devices.
 
     With pp > 1 stages, a step passes through them in turn, as tandem's engine runs one
     batch at a time: each stage reads its own weights at its own devices' speed, so the
@@ -145,6 +182,10 @@ def roofline_cost_model(hw: Hardware, model: ModelSpec, tp: int = 1, dtype_bytes
     const = STEP_OVERHEAD_S + model.params * dtype_bytes / bandwidth
     if tp > 1:
         const += 2 * model.num_layers * ALLREDUCE_LATENCY_S
+    if ep and model.num_experts and tp > 1:  # dispatch and combine
+        rows = 2 * model.experts_per_token * model.hidden_size * dtype_bytes * (tp - 1) / tp
+        per_token += model.num_layers * rows / link
+        const += 2 * model.num_layers * ALLTOALL_LATENCY_S
     if pp > 1:  # hidden state and residual, stage to stage
         per_token += (pp - 1) * 2 * model.hidden_size * dtype_bytes / link
         const += (pp - 1) * STAGE_HANDOFF_S
@@ -156,6 +197,7 @@ def roofline_cost_model(hw: Hardware, model: ModelSpec, tp: int = 1, dtype_bytes
         "model": model.name,
         "tp": tp,
         "pp": pp,
+        **({"ep": True} if ep and model.num_experts and tp > 1 else {}),
         "compute_efficiency": hw.compute_efficiency,
         "bandwidth_efficiency": hw.bandwidth_efficiency,
     }

@@ -45,3 +45,30 @@ def test_plan_over_tp_and_pp_skips_what_does_not_fit_and_picks_tp_for_a_latency_
     tp4, pp4 = planner.probes[Layout("L40S", 4, count=1)], planner.probes[Layout("L40S", 1, count=1, pp=4)]  # fmt: skip
     assert tp4.price_per_hour == pp4.price_per_hour  # four devices either way
     assert tp4.result["p99_tpot_ms"] < pp4.result["p99_tpot_ms"]
+
+
+def test_a_mixture_of_experts_computes_its_active_parameters_and_reads_all_of_them():
+    mixtral, qwen3 = ModelSpec.load("mixtral-8x7b"), ModelSpec.load("qwen3-30b-a3b")
+    assert round(mixtral.params / 1e9, 1) == 46.7  # Mixtral 8x7B's published total
+    assert round(qwen3.params / 1e9, 1) == 30.5
+    assert 12.7e9 < mixtral.matmul_params < 12.9e9  # 2 of 8 experts (+ the head)
+    h100 = HARDWARE["H100"]
+    dense_like = ModelSpec(**{**qwen3.__dict__, "num_experts": 0, "intermediate_size": 8 * 768})
+    moe, dense = roofline_cost_model(h100, qwen3), roofline_cost_model(h100, dense_like)
+    assert moe.coef[1] < dense.coef[1] * 1.1  # ~ the same FLOPs per token as 8 experts
+    assert moe.coef[0] > 5 * dense.coef[0]  # but every expert's weights read per step
+
+
+def test_spreading_experts_over_devices_costs_two_all_to_alls_a_layer():
+    qwen3, h100 = ModelSpec.load("qwen3-30b-a3b"), HARDWARE["H100"]
+    split, spread = roofline_cost_model(h100, qwen3, 2), roofline_cost_model(h100, qwen3, 2, ep=True)  # fmt: skip
+    rows = 48 * 2 * 8 * 2048 * 2 / 2  # layers x there-and-back x k x hidden x bytes x (tp-1)/tp
+    assert abs(spread.coef[1] - split.coef[1] - rows / (h100.interconnect_gbs * 1e9)) < 1e-12
+    assert spread.info["ep"] and "ep" not in split.info
+    dense = roofline_cost_model(h100, ModelSpec.load("llama-3-8b"), 2, ep=True)
+    assert "ep" not in dense.info  # no experts: nothing to spread
+    layout = Layout("H100", 2, count=1, ep=True)
+    assert layout.cluster({"model": "qwen3-30b-a3b"})["groups"][0]["ep"] is True
+    assert layout.describe() == "1 x H100 tp2 ep"
+    cluster = ClusterSpec.from_dict(layout.cluster({"model": "qwen3-30b-a3b"}))
+    assert cluster.groups[0].cost_model.info["ep"]
