@@ -29,9 +29,12 @@ from pathlib import Path
 
 import torch
 
+from tandem.model.packed_linear import packing_available
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# the served comparison's and --ep's model: Qwen3-MoE's shape, small (~57M parameters)
+# the served comparison's and --ep's model: Qwen3-MoE's shape, small (57M parameters in its
+# layers, 50M in its embedding and head: the bundled model's 49,152-token vocabulary)
 SERVE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
              head_dim=64, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256,
              intermediate_size=1024)  # fmt: skip
@@ -82,6 +85,8 @@ def layer_rows(shape: str, dtype_name: str, tokens, iters: int) -> list[dict] | 
     hf_grouped, _ = layers(shape, dtype, "grouped_mm")
     hf_grouped.load_state_dict(hf_eager.state_dict())
     bind_fused(ours)
+    if packing_available(dtype, torch.device("cpu")):
+        ours.pack_experts()  # as the runner does (packed_linear.py)
 
     def hf_out(block, x):
         out = block(x)
@@ -89,7 +94,7 @@ def layer_rows(shape: str, dtype_name: str, tokens, iters: int) -> list[dict] | 
 
     rows = []
     for t in tokens:
-        x = torch.randn(1, t, ours.w13.shape[2], dtype=dtype)
+        x = torch.randn(1, t, hf_eager.gate.weight.shape[1], dtype=dtype)
         with torch.no_grad():
             want, got = hf_out(hf_eager, x)[0].float(), ours(x[0]).float()
         err, scale = (got - want).abs().max().item(), want.abs().max().item()
@@ -130,16 +135,30 @@ def median_ms(fn, x, iters: int) -> float:
 
 
 def write_model(folder: Path) -> Path:
-    from tests.conftest import build_checkpoint
+    """SERVE with random weights (seeded) and the bundled model's tokenizer (a real one: the
+    random dataset's prompts keep their length through decode and encode)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    return build_checkpoint(folder, "qwen3_moe", **SERVE)
+    from tandem.model.gguf import gguf_as_hf_folder
+    from tandem.model.loader import default_model_path
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_as_hf_folder(default_model_path())))
+    tok.save_pretrained(str(folder))
+    cfg = AutoConfig.for_model(
+        "qwen3_moe", **SERVE, vocab_size=len(tok), max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, norm_topk_prob=True,
+        tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(str(folder))
+    return folder
 
 
 def decode_run(path: Path, rounds: int, **split) -> tuple[list[float], list[list[int]]]:
     """Decode tok/s of 32 running requests (128 tokens each), per round; the greedy tokens."""
     from tandem import LLM, SamplingParams
 
-    prompts = [[5 + (i * 31 + j * 7) % 390 for j in range(64)] for i in range(32)]
+    prompts = [[100 + (i * 31 + j * 7) % 40000 for j in range(64)] for i in range(32)]
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     full = SamplingParams(temperature=0, max_tokens=129, ignore_eos=True)
     rates, tokens = [], []

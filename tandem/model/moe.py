@@ -3,6 +3,12 @@ token's top k experts; the tokens are sorted by expert and each expert multiplie
 rows in one grouped matmul (torch._grouped_mm, which runs on the CPU), then the weighted
 outputs are summed back per token. HF transformers' reference loops over the experts hit.
 
+Where the runner prepacks weights for oneDNN (packed_linear.py), each expert's two matmuls
+run on its prepacked weights instead, one call per expert hit over its rows: torch's CPU
+grouped matmul multiplies a transposed weight view through MKL (float32) or reorders it each
+call (bf16), 2-2.5x slower in float32 and 1.2-1.4x in bf16 at a real layer's shapes
+(OLMoE's, Qwen3-30B-A3B's; benchmarks/moe.py on a 2-core Zen 4).
+
 Where expert parallelism spreads the experts over ranks, `dispatch` (distributed/experts.py)
 sends each pair (token, expert) to the rank holding the expert and back (all-to-all).
 """
@@ -15,6 +21,7 @@ import torch
 from torch import nn
 
 from tandem.core.model_config import ModelConfig
+from tandem.model.packed_linear import PackedLinear
 
 # A checkpoint's per-expert tensor (once moe_param_name has renamed its block): expert index,
 # then gate (w1, gate_proj), up (w3, up_proj) or down (w2, down_proj)
@@ -70,12 +77,28 @@ def grouped_experts(
     return torch._grouped_mm(act(h), w2.transpose(1, 2), offs=offs)  # [P, hidden]
 
 
-def fused_experts(x, weights, ids, w13, w2, act) -> torch.Tensor:
+def packed_experts(rows: torch.Tensor, counts: torch.Tensor, packed, act) -> torch.Tensor:
+    """grouped_experts on prepacked weights: packed[e] = (w13, w2) PackedLinears."""
+    out = rows.new_empty(rows.shape[0], packed[0][1].out_features) if packed else rows
+    start = 0
+    for (w13, w2), n in zip(packed, counts.tolist()):
+        if n:
+            out[start : start + n] = w2(act(w13(rows[start : start + n])))
+            start += n
+    return out
+
+
+def fused_experts(x, weights, ids, w13, w2, act, packed=None) -> torch.Tensor:
     """The routed experts' weighted sum for every token: x [T, hidden], weights and ids
-    [T, k] (ids index w13/w2's experts) -> [T, hidden]."""
-    order, counts = expert_order(ids, w13.shape[0])
+    [T, k] (ids index the experts) -> [T, hidden]. packed: the experts prepacked (then w13
+    and w2 are not read)."""
+    order, counts = expert_order(ids, len(packed) if packed else w13.shape[0])
     tokens = order // ids.shape[1]
-    out = grouped_experts(x[tokens], counts, w13, w2, act)
+    rows = x[tokens]
+    if packed:
+        out = packed_experts(rows, counts, packed, act)
+    else:
+        out = grouped_experts(rows, counts, w13, w2, act)
     out = out * weights.flatten()[order, None]
     return x.new_zeros(x.shape).index_add_(0, tokens, out)
 
@@ -112,6 +135,17 @@ class SparseMoE(nn.Module):
         self.register_buffer("routed", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)  # fmt: skip
         self.reduce = None  # sums the ranks' partial outputs (tensor parallel), as LlamaMLP's
         self.dispatch = None  # experts on other ranks (distributed/experts.py); None: all here
+        self.packed = None  # each expert's (w13, w2) prepacked for oneDNN, once pack_experts ran
+
+    def pack_experts(self) -> None:
+        """Prepack each expert's weights for oneDNN (the runner's pack_linears calls this
+        where it packs): the stacked tensors are then released."""
+        self.packed = [
+            (PackedLinear.of_weight(self.w13[e].detach()), PackedLinear.of_weight(self.w2[e].detach()))
+            for e in range(len(self.held))
+        ]  # fmt: skip
+        self.w13.data = self.w13.data.new_empty(0)
+        self.w2.data = self.w2.data.new_empty(0)
 
     def init_tables(self) -> None:
         """Zero the counts, after the loader's `to_empty` (as RotaryEmbedding's tables)."""
@@ -122,7 +156,7 @@ class SparseMoE(nn.Module):
         weights, ids = route(self.router(x), moe.top_k, moe.renormalize, moe.scoring)
         self.routed += torch.bincount(ids.flatten(), minlength=moe.num_experts)
         if self.dispatch is None:
-            out = fused_experts(x, weights, ids, self.w13, self.w2, self.act)
+            out = fused_experts(x, weights, ids, self.w13, self.w2, self.act, self.packed)
         else:
             out = self.dispatch(x, weights, ids, self.run_held)
         if self.shared_expert is not None:
@@ -132,4 +166,6 @@ class SparseMoE(nn.Module):
 
     def run_held(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """This module's experts on rows sorted by them (counts: rows per held expert)."""
+        if self.packed:
+            return packed_experts(rows, counts, self.packed, self.act)
         return grouped_experts(rows, counts, self.w13, self.w2, self.act)

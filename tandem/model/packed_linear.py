@@ -56,9 +56,12 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Swap every nn.Linear in the model for a PackedLinear; return how many."""
+    """Swap every nn.Linear in the model for a PackedLinear, and prepack each mixture of
+    experts' experts (moe.SparseMoE.pack_experts); return how many linears."""
     count = 0
     for parent in list(model.modules()):
+        if hasattr(parent, "pack_experts"):
+            parent.pack_experts()
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear(child))

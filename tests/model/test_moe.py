@@ -8,7 +8,7 @@ import torch
 
 from tandem.core.model_config import ModelConfig
 from tandem.model.layers import SiluAndMul
-from tandem.model.moe import fused_experts, moe_param_name, route
+from tandem.model.moe import SparseMoE, fused_experts, moe_param_name, route
 from tests.conftest import MOE_CONFIGS
 
 
@@ -69,6 +69,28 @@ def test_grouped_experts_equal_transformers_expert_loop(tokens):
     want = hf(x, ids, weights)
     got = fused_experts(x, weights, ids, hf.gate_up_proj.data, hf.down_proj.data, SiluAndMul())
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_experts_compute_what_the_grouped_matmul_computes(dtype):
+    from tandem.model.packed_linear import packing_available
+
+    if not packing_available(dtype, torch.device("cpu")):
+        pytest.skip(f"oneDNN packs no {dtype} weights on this CPU (the runner then keeps the grouped matmul)")  # fmt: skip
+    cfg = ModelConfig.from_hf({**MOE_CONFIGS["mixtral"], "vocab_size": 100})
+    torch.manual_seed(2)
+    moe = SparseMoE(cfg, SiluAndMul()).to(dtype)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(40, cfg.hidden_size, dtype=dtype)
+    with torch.no_grad():
+        want = moe(x)
+        moe.pack_experts()
+        got = moe(x)
+    assert moe.w13.numel() == 0  # the stacked copy released
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+    assert moe.routed.sum() == 2 * 2 * 40  # both calls counted, 2 experts a token
 
 
 def test_no_tokens_give_no_rows():
