@@ -39,6 +39,9 @@ ROWS = {
     "kv-tiers-redis": "Redis KV tier, a second instance's 16 concurrent hits vs recomputing: mean TTFT",
     "tp-allreduce": "Tensor-parallel all-reduce of [32, 576] fp32, 2 ranks: shared memory vs gloo, p50",
     "tp-decode": "`-tp 2` vs the whole model on both cores, 32 running: decode tok/s",
+    "moe-layer": "MoE layer vs transformers' expert loop, OLMoE-1B-7B's shape, 16 / 256 tokens, fp32: time",
+    "moe-vllm-c16": "A small Qwen3-MoE served vs vLLM's CPU build, random 256/128, 16 concurrent: output tok/s",
+    "moe-ep": "`-tp 2 --enable-expert-parallel` vs the whole MoE model on both cores, 32 running: decode tok/s",
 }
 # CPU kinds as columns, in this order (others after them, by name).
 KINDS = ("amd-epyc-avx512-bf16", "intel-xeon-amx", "amd-epyc-avx2")
