@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import ssl
 import time
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from tandem.router.autoscale import AutoscaleConfig, FleetSignals
 from tandem.router.forwarding import read_request
 from tandem.router.policy import RouteRequest, WorkerState, prompt_text
 from tandem.router.pool import WorkerPool
@@ -90,6 +92,22 @@ class RouterMetrics:
             "Share of prompt chunks the router expected cached where it sent them",
             registry=r,
         )
+        # the autoscaler (--autoscale): what it wants, what it did
+        self.desired_workers = Gauge(
+            "tandem:router_desired_workers",
+            "Workers the autoscaler wants serving (an HPA/KEDA target; without --autoscale "
+            "the serving workers plus any the queue asks for)",
+            registry=r,
+        )
+        self.starting_workers = Gauge(
+            "tandem:router_workers_starting", "Workers started and not yet serving", registry=r
+        )
+        self.scale_actions = Counter(
+            "tandem:router_scale_actions",
+            "Autoscaler actions: up (a worker started), down (drained and stopped), failed_start",
+            ["action"],
+            registry=r,
+        )
         self.worker_hit_rate = Gauge(
             "tandem:router_worker_prefix_hit_rate",
             "Prefix-cache hit rate each worker reports (its own counters)",
@@ -103,6 +121,7 @@ class Router:
         self.pool, self.config, self.client = pool, config, client
         self.session = None
         self.metrics = RouterMetrics()
+        self.supervisor = None  # router/supervisor.py's LocalSupervisor, with --autoscale
 
     async def complete(self, path: str, request: Request) -> Response:
         raw, body, headers = await read_request(request)
@@ -240,7 +259,27 @@ class Router:
             worker.in_flight -= 1
             response.release()  # read to the end: back to the pool; else its connection closes
 
+    def fleet_signals(self) -> FleetSignals:
+        """The autoscaler's view of the serving workers (healthy, not draining)."""
+        serving = self.pool.healthy()
+        ttft = None
+        policy = self.pool.policy
+        if hasattr(policy, "predicted_ttft") and serving:
+            probe = RouteRequest("x" * 2048)
+            ttft = min(policy.predicted_ttft(s, probe) for s in serving)
+        return FleetSignals(
+            serving=len(serving),
+            queued=sum(max(s.waiting, s.in_flight - s.running, 0) for s in serving),
+            load=sum(s.load for s in serving),
+            max_kv_usage=max((s.kv_usage for s in serving), default=0.0),
+            predicted_ttft=ttft,
+        )
+
     def refresh_metrics(self) -> None:
+        if self.supervisor is None:  # no autoscaler: the workers the load asks for
+            s = self.fleet_signals()
+            target = AutoscaleConfig().target_queue_per_worker
+            self.metrics.desired_workers.set(max(s.serving, math.ceil(s.load / target)))
         workers = list(self.pool.workers.values())
         healthy = [w.state for w in workers if w.state.healthy]
         for w in workers:
@@ -363,7 +402,7 @@ def build_app(
 def _worker_routes(pool: WorkerPool) -> list[Route]:
     def listing(w) -> dict:
         s = w.state
-        return {"id": s.id, "url": s.url, "healthy": s.healthy, "requests": w.requests,
+        return {"id": s.id, "url": s.url, "healthy": s.healthy, "draining": s.draining, "requests": w.requests,
                 "in_flight": s.in_flight, "running": s.running, "waiting": s.waiting,
                 "kv_usage": s.kv_usage, "ejections": w.ejections}  # fmt: skip
 

@@ -47,6 +47,7 @@ def add_pd(p: argparse.ArgumentParser, required: bool) -> None:
 
 
 def add_parser(sub) -> None:
+    from tandem.router.autoscale import AutoscaleConfig
     from tandem.router.policy import POLICIES
 
     p = sub.add_parser("router", help="route requests across tandem serve workers")
@@ -66,6 +67,33 @@ def add_parser(sub) -> None:
                    help="seconds after arrival within which a retry may start")  # fmt: skip
     p.add_argument("--enable-worker-updating", action="store_true",
                    help="without --admin-api-key: open POST and DELETE /workers to API keys")  # fmt: skip
+    a = p.add_argument_group("autoscaling (local workers the router starts and stops)")
+    a.add_argument("--autoscale", action="store_true",
+                   help="start and stop workers from --worker-command by the router's signals")  # fmt: skip
+    a.add_argument("--worker-command", default=None,
+                   help="the command of one worker, {port} where it listens, e.g. "
+                   "'tandem serve MODEL --port {port}'")  # fmt: skip
+    d = AutoscaleConfig()
+    a.add_argument("--min-workers", type=int, default=d.min_workers)
+    a.add_argument("--max-workers", type=int, default=d.max_workers)
+    a.add_argument("--target-queue-per-worker", type=float, default=d.target_queue_per_worker,
+                   help="scale up while the mean queue per worker stays above this")  # fmt: skip
+    a.add_argument("--target-load-per-worker", type=float, default=d.target_load_per_worker,
+                   help="scale up while the mean requests running or waiting per worker stay "
+                   "above this (before a queue forms); also where the fleet shrinks to")  # fmt: skip
+    a.add_argument("--max-kv-usage", type=float, default=d.max_kv_usage,
+                   help="scale up while a worker's KV cache stays fuller than this (0-1)")  # fmt: skip
+    a.add_argument("--max-predicted-ttft", type=float, default=d.max_predicted_ttft,
+                   help="seconds: scale up while the cost model's TTFT on the best worker "
+                   "stays above this (cost policy)")  # fmt: skip
+    a.add_argument("--scale-sustain", type=float, default=d.sustain,
+                   help="seconds a signal must hold before the autoscaler acts")  # fmt: skip
+    a.add_argument("--scale-up-cooldown", type=float, default=d.up_cooldown)
+    a.add_argument("--scale-down-cooldown", type=float, default=d.down_cooldown)
+    a.add_argument("--worker-start-timeout", type=float, default=300.0,
+                   help="seconds a started worker gets to become healthy and warm")  # fmt: skip
+    a.add_argument("--drain-timeout", type=float, default=600.0,
+                   help="seconds a worker being removed gets to finish its requests")  # fmt: skip
     add_common(p)
     add_pd(p, required=False)
 
@@ -104,8 +132,10 @@ def run(args: argparse.Namespace) -> int:
         from tandem.router.policy import build_policy
         from tandem.router.pool import WorkerPool
 
-        if not args.worker and not args.worker_file:
-            raise ValueError("router: give --worker URL..., --worker-file, or --prefill/--decode")
+        if not args.worker and not args.worker_file and not args.autoscale:
+            raise ValueError("router: give --worker URL..., --worker-file, --autoscale, or --prefill/--decode")  # fmt: skip
+        if args.autoscale and not args.worker_command:
+            raise ValueError("autoscale: give --worker-command (with {port}) to start workers from")  # fmt: skip
         for name in ("probe_interval", "retry_deadline", "request_timeout", "stream_timeout"):
             if not getattr(args, name) > 0:
                 raise ValueError(f"{name} must be > 0 (seconds), got {getattr(args, name)!r}")
@@ -118,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
         config = RouterConfig(args.max_attempts, args.retry_deadline, args.request_timeout,
                               args.stream_timeout, worker_tls)  # fmt: skip
         router = Router(pool, config, client)
+        if args.autoscale:
+            router.supervisor = _supervisor(args, router, client)
         policy = AccessPolicy(user=("/v1", "/workers"), admin=("/workers",),
                               admin_methods=("POST", "DELETE"),
                               admin_open=args.enable_worker_updating,
@@ -125,7 +157,51 @@ def run(args: argparse.Namespace) -> int:
         access = Access(keys, policy, args.max_request_bytes)
         app, closing = plain_app(router, access), router.aclose
         what = f"{args.policy} over {len(pool.workers)} workers"
+        if router.supervisor is not None:
+            pool = _Supervised(pool, router.supervisor)
+            what += f", autoscaling {args.min_workers}-{args.max_workers} local workers"
     return _serve(app, pool, args, what, keys.requires_key, tls, closing)
+
+
+def _supervisor(args, router, client):
+    import tempfile
+    from pathlib import Path
+
+    from tandem.router.autoscale import AutoscaleConfig, AutoscalePolicy
+    from tandem.router.supervisor import LocalSupervisor
+
+    config = AutoscaleConfig(
+        min_workers=args.min_workers, max_workers=args.max_workers,
+        target_queue_per_worker=args.target_queue_per_worker,
+        target_load_per_worker=args.target_load_per_worker, max_kv_usage=args.max_kv_usage,
+        max_predicted_ttft=args.max_predicted_ttft, sustain=args.scale_sustain,
+        up_cooldown=args.scale_up_cooldown, down_cooldown=args.scale_down_cooldown,
+    )  # fmt: skip
+    for name in ("worker_start_timeout", "drain_timeout"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"{name} must be > 0 (seconds), got {getattr(args, name)!r}")
+    log_dir = Path(tempfile.mkdtemp(prefix="tandem-workers-"))
+    logging.getLogger("tandem").info("router: started workers log to %s", log_dir)
+    return LocalSupervisor(
+        args.worker_command, router.pool, AutoscalePolicy(config), router.metrics, client,
+        log_dir, args.worker_start_timeout, args.drain_timeout, signals=router.fleet_signals,
+    )  # fmt: skip
+
+
+class _Supervised:
+    """The pool and its autoscaler, started and stopped together (the autoscaler's workers
+    stop with the router)."""
+
+    def __init__(self, pool, supervisor) -> None:
+        self.pool, self.supervisor = pool, supervisor
+
+    def start(self) -> None:
+        self.pool.start()
+        self.supervisor.start()
+
+    async def stop(self) -> None:
+        await self.supervisor.stop()
+        await self.pool.stop()
 
 
 def _serve(app, pool, args, what: str, requires_key: bool, tls: dict, closing=None) -> int:

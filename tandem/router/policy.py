@@ -32,6 +32,7 @@ class WorkerState:
     running: int = 0  # from the worker's /metrics
     waiting: int = 0
     kv_usage: float = 0.0
+    draining: bool = False  # being removed (autoscaler): no new requests
 
     @property
     def load(self) -> int:

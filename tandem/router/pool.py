@@ -101,7 +101,8 @@ class WorkerPool:
 
     # ---- choosing ---------------------------------------------------------------------------
     def healthy(self) -> list[WorkerState]:
-        return [w.state for w in self.workers.values() if w.state.healthy]
+        """The workers requests may go to: healthy, and not being drained."""
+        return [w.state for w in self.workers.values() if w.state.healthy and not w.state.draining]
 
     def order(self, request) -> list[WorkerState]:
         return self.policy.rank(self.healthy(), request)

@@ -76,6 +76,29 @@ def random_requests(n: int, input_len: int, output_len: int, rate: float, seed: 
     ]
 
 
+def diurnal_requests(duration: float, trough: float, peak: float, input_len: int,
+                     output_len: int, seed: int = 0, range_ratio: float = 0.0,
+                     slo: dict[str, float] | None = None) -> list[SimRequest]:  # fmt: skip
+    """Poisson arrivals whose rate swings from `trough` (at 0 and `duration`) to `peak`
+    (halfway) requests/s, a day's curve in `duration` seconds (thinning a `peak`-rate
+    process); lengths as random_requests'."""
+    import math
+
+    rng = random.Random(seed)
+    inp = LengthRange.around(input_len, range_ratio)
+    out = LengthRange.around(output_len, range_ratio)
+    requests, t = [], 0.0
+    while True:
+        t += rng.expovariate(peak)
+        if t >= duration:
+            return requests
+        rate = trough + (peak - trough) * (1 - math.cos(2 * math.pi * t / duration)) / 2
+        if rng.random() < rate / peak:
+            n = len(requests)
+            requests.append(SimRequest(t, RandomTokens((seed, n), inp.draw(rng)), out.draw(rng),
+                                       slo=dict(slo or {})))  # fmt: skip
+
+
 def multi_class_requests(n: int, classes: list[RequestClass], rate: float, seed: int = 0,
                          burstiness: float = 1.0) -> list[SimRequest]:  # fmt: skip
     """Each request's class drawn by share (`tandem bench --class` specs); its lengths,

@@ -1,0 +1,140 @@
+"""When to add or remove a worker: a plain policy over the router's own signals (no torch, no
+I/O, its clock given), so a fake clock tests it and the simulator can run it.
+
+    policy = AutoscalePolicy(AutoscaleConfig(min_workers=1, max_workers=4))
+    decision = policy.decide(now, FleetSignals(...))   # -> ScaleDecision(desired, reason)
+
+Pressure (scale up): the mean queue per worker above `target_queue_per_worker`, the mean
+load (requests running or waiting) per worker above `target_load_per_worker` where set (it
+acts before a queue forms: a worker's TTFT grows with its batch), the fullest KV cache above
+`max_kv_usage`, or the cost model's predicted TTFT on the best worker above
+`max_predicted_ttft`, held for `sustain` seconds. Slack (scale down): nothing queued, the
+fleet's load would fit one worker fewer (at `scale_down_fraction` of the load target, or of
+the queue target without one), every KV cache under half of `max_kv_usage`, held as long. Each direction waits its cooldown after any change; a fleet below
+`min_workers` is raised at once. A scale-up asks for as many workers as the queue needs
+(ceil(queued / target)), one at least, never past `max_workers`; a scale-down removes one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    min_workers: int = 1
+    max_workers: int = 4
+    target_queue_per_worker: float = 4.0  # requests waiting per worker the fleet aims under
+    target_load_per_worker: float | None = None  # requests running or waiting; None: off
+    scale_down_fraction: float = 0.5  # of the target, per worker, that the fleet shrinks to
+    max_kv_usage: float = 0.9  # a worker's KV cache fuller than this is pressure
+    max_predicted_ttft: float | None = None  # seconds; None: not a signal
+    sustain: float = 10.0  # seconds a signal must hold before it acts
+    up_cooldown: float = 30.0  # seconds after a change before the next scale-up
+    down_cooldown: float = 120.0  # ... before the next scale-down
+
+    def check(self) -> None:
+        if not (isinstance(self.min_workers, int) and self.min_workers >= 0):
+            raise ValueError(f"min_workers must be an integer >= 0, got {self.min_workers!r}")
+        if not (isinstance(self.max_workers, int) and self.max_workers >= max(1, self.min_workers)):  # fmt: skip
+            raise ValueError(
+                f"max_workers must be an integer >= max(1, min_workers = {self.min_workers}), "
+                f"got {self.max_workers!r}"
+            )
+        for name in ("target_queue_per_worker", "max_kv_usage"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("sustain", "up_cooldown", "down_cooldown"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 (seconds), got {getattr(self, name)!r}")
+        if self.target_load_per_worker is not None and not self.target_load_per_worker > 0:
+            raise ValueError(f"target_load_per_worker must be > 0, got {self.target_load_per_worker!r}")  # fmt: skip
+        if not 0 < self.scale_down_fraction < 1:
+            raise ValueError(f"scale_down_fraction must be in (0, 1), got {self.scale_down_fraction!r}")  # fmt: skip
+        if self.max_predicted_ttft is not None and not self.max_predicted_ttft > 0:
+            raise ValueError(f"max_predicted_ttft must be > 0 (seconds), got {self.max_predicted_ttft!r}")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FleetSignals:
+    serving: int  # workers taking requests (healthy, not draining)
+    starting: int = 0  # workers started and not yet serving
+    queued: int = 0  # requests waiting, over the serving workers
+    load: int = 0  # requests running or waiting, over the serving workers
+    max_kv_usage: float = 0.0  # the fullest serving worker's KV cache, 0-1
+    predicted_ttft: float | None = None  # seconds, on the best serving worker
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    desired: int  # workers the fleet should have (serving and starting)
+    reason: str
+
+
+class AutoscalePolicy:
+    def __init__(self, config: AutoscaleConfig) -> None:
+        config.check()
+        self.config = config
+        self._pressure_since: float | None = None
+        self._slack_since: float | None = None
+        self._last_change = -math.inf
+
+    def decide(self, now: float, s: FleetSignals) -> ScaleDecision:
+        c = self.config
+        fleet = s.serving + s.starting
+        if fleet < c.min_workers:
+            return self._changed(now, c.min_workers, f"below min_workers {c.min_workers}")
+        if fleet > c.max_workers:
+            return self._changed(now, c.max_workers, f"above max_workers {c.max_workers}")
+        pressure = self._pressure(s)
+        slack = pressure is None and s.starting == 0 and self._slack(s)
+        self._pressure_since = (self._pressure_since if self._pressure_since is not None else now) if pressure else None  # fmt: skip
+        self._slack_since = (self._slack_since if self._slack_since is not None else now) if slack else None  # fmt: skip
+        if pressure and now - self._pressure_since >= c.sustain and now - self._last_change >= c.up_cooldown:  # fmt: skip
+            if s.starting == 0 and fleet < c.max_workers:
+                return self._changed(now, min(c.max_workers, fleet + self._needed(s)), pressure)
+        if slack and now - self._slack_since >= c.sustain and now - self._last_change >= c.down_cooldown:  # fmt: skip
+            if s.serving > max(1, c.min_workers):
+                return self._changed(now, fleet - 1, "load fits one worker fewer")
+        return ScaleDecision(fleet, "steady")
+
+    def _pressure(self, s: FleetSignals) -> str | None:
+        c = self.config
+        if s.serving == 0:
+            return "no worker serving"
+        if s.queued / s.serving > c.target_queue_per_worker:
+            return f"queue {s.queued / s.serving:.1f} per worker > {c.target_queue_per_worker:g}"
+        if c.target_load_per_worker is not None and s.load / s.serving > c.target_load_per_worker:
+            return f"load {s.load / s.serving:.1f} per worker > {c.target_load_per_worker:g}"
+        if s.max_kv_usage > c.max_kv_usage:
+            return f"KV cache {s.max_kv_usage:.0%} full > {c.max_kv_usage:.0%}"
+        if c.max_predicted_ttft is not None and s.predicted_ttft is not None and s.predicted_ttft > c.max_predicted_ttft:  # fmt: skip
+            return f"predicted TTFT {s.predicted_ttft:.2f} s > {c.max_predicted_ttft:g} s"
+        return None
+
+    def _needed(self, s: FleetSignals) -> int:
+        """Workers to add: enough for the queue (and the load, where targeted), one at least."""
+        c = self.config
+        if not s.serving:
+            return 1
+        needed = math.ceil(s.queued / c.target_queue_per_worker)
+        if c.target_load_per_worker is not None:
+            needed = max(needed, math.ceil(s.load / c.target_load_per_worker) - s.serving)
+        return max(1, needed)
+
+    def _slack(self, s: FleetSignals) -> bool:
+        c = self.config
+        fewer = s.serving - 1
+        target = c.target_load_per_worker or c.target_queue_per_worker
+        return (
+            fewer >= 1
+            and s.load / fewer <= target * c.scale_down_fraction
+            and s.queued == 0
+            and s.max_kv_usage <= c.max_kv_usage / 2
+        )
+
+    def _changed(self, now: float, desired: int, reason: str) -> ScaleDecision:
+        self._last_change = now
+        self._pressure_since = self._slack_since = None
+        return ScaleDecision(desired, reason)
