@@ -6,7 +6,10 @@ one instance and that size, with a cold start per new instance. Prints SLO attai
 instance-hours of both, and the saving.
 
     python benchmarks/elastic.py [--minutes 60] [--trough 2] [--peak 8] [--target 0.95]
-                                 [--start-seconds 60] [--json F]
+                                 [--start-seconds 60] [--static-from N] [--target-load L]
+                                 [--scale-down-fraction F] [--down-cooldown S] [--json F]
+
+The policy's settings are `tandem router --autoscale`'s flags; docs/simulator.md has the run.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def main() -> int:
     d = AutoscaleConfig()
     p.add_argument("--target-queue", type=float, default=1.0, help="requests queued per instance")  # fmt: skip
     p.add_argument("--target-load", type=float, default=None, help="requests running or waiting per instance")  # fmt: skip
+    p.add_argument("--scale-down-fraction", type=float, default=0.5)
     p.add_argument("--sustain", type=float, default=5.0)
     p.add_argument("--up-cooldown", type=float, default=15.0)
     p.add_argument("--down-cooldown", type=float, default=d.down_cooldown)
@@ -75,6 +79,7 @@ def main() -> int:
     static_hours = n * static_result["simulated_seconds"] / 3600
     config = AutoscaleConfig(min_workers=1, max_workers=n, target_queue_per_worker=args.target_queue,
                              target_load_per_worker=args.target_load,
+                             scale_down_fraction=args.scale_down_fraction,
                              sustain=args.sustain, up_cooldown=args.up_cooldown,
                              down_cooldown=args.down_cooldown)  # fmt: skip
     sim = ElasticSimulation(cluster(1, args.hardware), requests, config, args.start_seconds)

@@ -45,3 +45,26 @@ def test_the_kubernetes_router_and_the_autoscaler_agree_on_names_and_metrics():
     for trigger in scaler["spec"]["triggers"]:
         metric = trigger["metadata"]["query"].split("(")[1].rstrip(")")
         assert f"# TYPE {metric} gauge" in exported
+
+
+def test_the_kubernetes_manifests_are_valid_against_kubernetes_own_schemas():
+    import kubernetes_validate
+
+    version = kubernetes_validate.latest_version()
+    checked = []
+    for path in sorted((DEPLOY / "kubernetes").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc["apiVersion"].startswith("keda.sh/"):
+                continue  # a KEDA custom resource: no schema in Kubernetes' own (fields checked above)
+            kubernetes_validate.validate(doc, version, strict=True)
+            checked.append(doc["kind"])
+    assert {"Deployment", "Service", "HorizontalPodAutoscaler"} <= set(checked)
+
+
+def test_the_hpa_scales_the_worker_deployment_on_the_routers_desired_workers():
+    hpa = yaml.safe_load((DEPLOY / "kubernetes" / "hpa.yaml").read_text())
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "tandem-worker"
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["external"]["metric"]["name"] == "tandem_router_desired_workers"
+    exported = generate_latest(RouterMetrics().registry).decode()
+    assert "# TYPE tandem:router_desired_workers gauge" in exported
