@@ -46,8 +46,9 @@ def test_a_queue_starts_a_second_worker_and_its_end_drains_one_losing_no_request
          "--scale-sustain", "0.5", "--scale-up-cooldown", "1", "--scale-down-cooldown", "2",
          "--probe-interval", "0.2"],
         tmp_path, "autoscale",
-    ).wait_ready(timeout=120)  # fmt: skip
+    )  # fmt: skip
     try:
+        router.wait_ready(timeout=120)
         assert len(workers(router)) == 1  # min_workers, ready and warm before /health said 200
         results: list[str] = []
 
