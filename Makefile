@@ -15,8 +15,9 @@ lint: setup
 	.venv/bin/ruff check tandem tests benchmarks scripts
 	.venv/bin/ruff format --check tandem tests benchmarks scripts
 
+# The 25 slowest tests are listed at the end: where the suite's time goes.
 test: lint
-	.venv/bin/python -m pytest $(ARGS)
+	.venv/bin/python -m pytest --durations=25 $(ARGS)
 
 # Without the end-to-end tests marked slow: about 3.5 minutes on 2 cores.
 test-quick: lint

@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from tandem.router.forwarding import read_request
+from tandem.router.pd_ratio import RateWindow
 from tandem.router.policy import LeastLoad, PrefixAware, RouteRequest, prompt_text
 from tandem.router.pool import WorkerPool
 from tandem.server.errors import error_response, unavailable
@@ -91,6 +92,13 @@ class _Metrics:
             ["stage"],
             registry=self.registry,
         )
+        self.role_moves = Counter(
+            "tandem:pd_role_moves",
+            "Instances moved between the pools (--pd-ratio auto), by the role taken and "
+            "outcome (moved, failed: the instance refused or was unreachable)",
+            ["role", "outcome"],
+            registry=self.registry,
+        )
 
 
 class _Failed(Exception):
@@ -117,12 +125,18 @@ class Proxy:
                                        probe_interval)  # fmt: skip
         for role, pool in (("prefill", self.prefill_pool), ("decode", self.decode_pool)):
             self.metrics.healthy.labels(role).set_function(lambda pool=pool: len(pool.healthy()))
+        self.prefill_sent = RateWindow()  # prompt tokens sent to prefill, for the ratio policy
+        self.balancer = None  # disagg/roles.py RoleBalancer, with --pd-ratio auto
 
     def start(self) -> None:
         self.decode_pool.start()
         self.prefill_pool.start()
+        if self.balancer is not None:
+            self.balancer.start()
 
     async def stop(self) -> None:
+        if self.balancer is not None:
+            await self.balancer.stop()
         await self.decode_pool.stop()
         await self.prefill_pool.stop()
 
@@ -206,6 +220,8 @@ class Proxy:
         for worker in self.prefill_pool.order(route):
             url = worker.url
             t0 = time.monotonic()
+            worker.pending_prefill_tokens += route.tokens
+            self.prefill_sent.add(t0, route.tokens)
             try:
                 response = await asyncio.wait_for(
                     self.client.post(url + path, content=payload, headers=headers),
@@ -216,6 +232,8 @@ class Proxy:
                 self.prefill_pool.failed(worker.id, type(e).__name__)
                 self.metrics.retries.labels("prefill").inc()
                 continue
+            finally:
+                worker.pending_prefill_tokens -= route.tokens
             if response.status_code == 200:
                 self.metrics.stage.labels("prefill").observe(time.monotonic() - t0)
                 return True

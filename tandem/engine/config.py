@@ -138,6 +138,12 @@ class EngineConfig:
         "prefill instance sends (prefill/decode disaggregation, through `tandem proxy`)",
         choices=ROLES,
     )
+    enable_role_switching: bool = _flag(
+        False,
+        "prefill or decode role: set up both ends of the KV link, so `POST /role` (an admin "
+        "endpoint this opens to API keys) switches the instance to the other role without a "
+        "restart, its prefix cache kept (`tandem router --pd-ratio auto` does)",
+    )
     kv_host: str = _flag(
         "127.0.0.1", "decode role: the address to receive KV on, as prefill instances reach it"
     )
@@ -316,6 +322,14 @@ class EngineConfig:
         self._check_choice("role", ROLES)
         if bool(self.kv_secret_key) != bool(self.kv_peer_keys):
             raise ValueError("kv_secret_key: give --kv-secret-key and --kv-peer-keys together")
+        if self.enable_role_switching and self.role == "both":
+            raise ValueError("enable_role_switching: needs --role prefill or --role decode")
+        if self.enable_role_switching and self.kv_secret_key:
+            # a prefill end trusts one decode key, a decode end a folder of prefill keys
+            raise ValueError(
+                "enable_role_switching: not with --kv-secret-key (an authenticated link's "
+                "keys are per role); switch roles on a private network, or keep roles fixed"
+            )
         if not (isinstance(self.kv_port, int) and 0 <= self.kv_port <= 65535):
             raise ValueError(f"kv_port must be an integer in [0, 65535], got {self.kv_port!r}")
         if not self.kernel_build_timeout > 0:

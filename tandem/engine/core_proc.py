@@ -310,9 +310,14 @@ def _build_core(config):
 
 
 def _role(core, loaded, config):
-    """The KV side of a prefill or decode instance: (KVReceiving | None, KVSender | None)."""
+    """The KV ends of a prefill or decode instance: (KVReceiving | None, KVSender | None);
+    both for one that may switch roles (--enable-role-switching): the role it serves is the
+    server's to say, and each end acts only on the requests that ask for it."""
     num_layers = loaded.model_config.num_layers
-    if config.role == "prefill":
+    if config.role == "both":
+        return None, None
+    kv = sender = None
+    if config.role == "prefill" or config.enable_role_switching:
         from tandem.disagg.prefill import KVSendingRunner
         from tandem.kv_transfer.connector import KVSender
 
@@ -323,8 +328,7 @@ def _role(core, loaded, config):
             keys = SenderKeys(config.kv_secret_key, config.kv_peer_keys)
         sender = KVSender(keys=keys)
         core.runner = KVSendingRunner(core.runner, sender, num_layers)
-        return None, sender
-    if config.role == "decode":
+    if config.role == "decode" or config.enable_role_switching:
         from tandem.disagg.decode import KVReceiving
         from tandem.kv_transfer.connector import KVReceiver
 
@@ -335,10 +339,10 @@ def _role(core, loaded, config):
             raise ValueError(
                 f"kv_port: cannot listen for KV on {config.kv_host}:{config.kv_port}: {e}"
             ) from None
-        log.info("decode role: receiving KV on %s (%s)", receiver.address,
+        log.info("%s role: receiving KV on %s (%s)", config.role, receiver.address,
                  "CURVE: known prefill keys only" if receiver.auth else "unauthenticated")  # fmt: skip
-        return KVReceiving(core, receiver, num_layers, config.kv_transfer_timeout), None
-    return None, None
+        kv = KVReceiving(core, receiver, num_layers, config.kv_transfer_timeout)
+    return kv, sender
 
 
 def _ready(core, loaded, kv) -> CoreReady:

@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from tandem.router.autoscale import AutoscaleConfig, FleetSignals
+from tandem.router.autoscale import AttainmentWindow, AutoscaleConfig, FleetSignals
 from tandem.router.forwarding import read_request
 from tandem.router.policy import RouteRequest, WorkerState, prompt_text
 from tandem.router.pool import WorkerPool
@@ -122,6 +122,7 @@ class Router:
         self.session = None
         self.metrics = RouterMetrics()
         self.supervisor = None  # router/supervisor.py's LocalSupervisor, with --autoscale
+        self.attainment = AttainmentWindow()  # SLO attainment per class, the last minute
 
     async def complete(self, path: str, request: Request) -> Response:
         raw, body, headers = await read_request(request)
@@ -267,12 +268,16 @@ class Router:
         if hasattr(policy, "predicted_ttft") and serving:
             probe = RouteRequest("x" * 2048)
             ttft = min(policy.predicted_ttft(s, probe) for s in serving)
+        totals = {(w.state.id, cls): counts for w in self.pool.workers.values()
+                  for cls, counts in w.slo.items()}  # fmt: skip
+        self.attainment.observe(time.monotonic(), totals)
         return FleetSignals(
             serving=len(serving),
             queued=sum(max(s.waiting, s.in_flight - s.running, 0) for s in serving),
             load=sum(s.load for s in serving),
             max_kv_usage=max((s.kv_usage for s in serving), default=0.0),
             predicted_ttft=ttft,
+            slo_attainment=self.attainment.worst(),
         )
 
     def refresh_metrics(self) -> None:

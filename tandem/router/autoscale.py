@@ -7,10 +7,13 @@ I/O, its clock given), so a fake clock tests it and the simulator can run it.
 Pressure (scale up): the mean queue per worker above `target_queue_per_worker`, the mean
 load (requests running or waiting) per worker above `target_load_per_worker` where set (it
 acts before a queue forms: a worker's TTFT grows with its batch), the fullest KV cache above
-`max_kv_usage`, or the cost model's predicted TTFT on the best worker above
-`max_predicted_ttft`, held for `sustain` seconds. Slack (scale down): nothing queued, the
+`max_kv_usage`, the cost model's predicted TTFT on the best worker above
+`max_predicted_ttft`, or the SLO attainment of the worst class over the last minute below
+`min_slo_attainment` (the workers' own per-class counters: `AttainmentWindow`), held for
+`sustain` seconds. Slack (scale down): nothing queued, the
 fleet's load would fit one worker fewer (at `scale_down_fraction` of the load target, or of
-the queue target without one), every KV cache under half of `max_kv_usage`, held as long. Each direction waits its cooldown after any change; a fleet below
+the queue target without one), every KV cache under half of `max_kv_usage`, no class under
+its attainment floor, held as long. Each direction waits its cooldown after any change; a fleet below
 `min_workers` is raised at once. A scale-up asks for as many workers as the queue needs
 (ceil(queued / target)), one at least, never past `max_workers`; a scale-down removes one.
 """
@@ -30,6 +33,7 @@ class AutoscaleConfig:
     scale_down_fraction: float = 0.5  # of the target, per worker, that the fleet shrinks to
     max_kv_usage: float = 0.9  # a worker's KV cache fuller than this is pressure
     max_predicted_ttft: float | None = None  # seconds; None: not a signal
+    min_slo_attainment: float | None = None  # 0-1, the worst class's; None: not a signal
     sustain: float = 10.0  # seconds a signal must hold before it acts
     up_cooldown: float = 30.0  # seconds after a change before the next scale-up
     down_cooldown: float = 120.0  # ... before the next scale-down
@@ -52,6 +56,8 @@ class AutoscaleConfig:
             raise ValueError(f"target_load_per_worker must be > 0, got {self.target_load_per_worker!r}")  # fmt: skip
         if not 0 < self.scale_down_fraction < 1:
             raise ValueError(f"scale_down_fraction must be in (0, 1), got {self.scale_down_fraction!r}")  # fmt: skip
+        if self.min_slo_attainment is not None and not 0 < self.min_slo_attainment <= 1:
+            raise ValueError(f"min_slo_attainment must be in (0, 1], got {self.min_slo_attainment!r}")  # fmt: skip
         if self.max_predicted_ttft is not None and not self.max_predicted_ttft > 0:
             raise ValueError(f"max_predicted_ttft must be > 0 (seconds), got {self.max_predicted_ttft!r}")  # fmt: skip
 
@@ -64,6 +70,7 @@ class FleetSignals:
     load: int = 0  # requests running or waiting, over the serving workers
     max_kv_usage: float = 0.0  # the fullest serving worker's KV cache, 0-1
     predicted_ttft: float | None = None  # seconds, on the best serving worker
+    slo_attainment: float | None = None  # the worst class's over the last minute, 0-1
 
 
 @dataclass(frozen=True)
@@ -111,7 +118,14 @@ class AutoscalePolicy:
             return f"KV cache {s.max_kv_usage:.0%} full > {c.max_kv_usage:.0%}"
         if c.max_predicted_ttft is not None and s.predicted_ttft is not None and s.predicted_ttft > c.max_predicted_ttft:  # fmt: skip
             return f"predicted TTFT {s.predicted_ttft:.2f} s > {c.max_predicted_ttft:g} s"
+        if self._short_of_slo(s):
+            return f"SLO attainment {s.slo_attainment:.0%} < {c.min_slo_attainment:.0%}"
         return None
+
+    def _short_of_slo(self, s: FleetSignals) -> bool:
+        c = self.config
+        return (c.min_slo_attainment is not None and s.slo_attainment is not None
+                and s.slo_attainment < c.min_slo_attainment)  # fmt: skip
 
     def _needed(self, s: FleetSignals) -> int:
         """Workers to add: enough for the queue (and the load, where targeted), one at least."""
@@ -132,9 +146,43 @@ class AutoscalePolicy:
             and s.load / fewer <= target * c.scale_down_fraction
             and s.queued == 0
             and s.max_kv_usage <= c.max_kv_usage / 2
+            and not self._short_of_slo(s)
         )
 
     def _changed(self, now: float, desired: int, reason: str) -> ScaleDecision:
         self._last_change = now
         self._pressure_since = self._slack_since = None
         return ScaleDecision(desired, reason)
+
+
+class AttainmentWindow:
+    """SLO attainment per class over the last `window` seconds, from cumulative counters
+    (each worker's `tandem:slo_requests_total` and `tandem:slo_met_total` by class): each
+    look adds what finished since the last; a counter that went back (a restarted worker)
+    starts over. A class with fewer than `min_requests` finished in the window says nothing."""
+
+    def __init__(self, window: float = 60.0, min_requests: int = 10) -> None:
+        self.window, self.min_requests = window, min_requests
+        self._last: dict[tuple[str, str], tuple[float, float]] = {}
+        self._events: list[tuple[float, str, float, float]] = []  # (when, class, done, met)
+
+    def observe(self, now: float, totals: dict[tuple[str, str], tuple[float, float]]) -> None:
+        """totals: (worker, class) -> (requests finished, requests that met their SLO)."""
+        for key, (done, met) in totals.items():
+            last_done, last_met = self._last.get(key, (0.0, 0.0))
+            if done < last_done or met < last_met:  # restarted: its counters began again
+                last_done = last_met = 0.0
+            if done > last_done:
+                self._events.append((now, key[1], done - last_done, met - last_met))
+            self._last[key] = (done, met)
+        self._events = [e for e in self._events if e[0] > now - self.window]
+
+    def worst(self) -> float | None:
+        """The lowest attainment of a class with enough requests in the window, or None."""
+        done: dict[str, float] = {}
+        met: dict[str, float] = {}
+        for _, cls, d, m in self._events:
+            done[cls] = done.get(cls, 0.0) + d
+            met[cls] = met.get(cls, 0.0) + m
+        rates = [met[c] / done[c] for c in done if done[c] >= self.min_requests]
+        return min(rates, default=None)

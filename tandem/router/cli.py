@@ -44,6 +44,27 @@ def add_pd(p: argparse.ArgumentParser, required: bool) -> None:
                    help="PD mode: seconds a decode instance gets to reserve (stage 1)")  # fmt: skip
     p.add_argument("--prefill-timeout", type=float, default=60.0,
                    help="PD mode: seconds a prefill instance gets to compute and send the KV")  # fmt: skip
+    from tandem.router.pd_ratio import PDRatioConfig
+
+    d = PDRatioConfig()
+    r = p.add_argument_group("PD mode: a prefill/decode ratio that follows the load")
+    r.add_argument("--pd-ratio", default="static", choices=["static", "auto"],
+                   help="auto: move instances between the pools by their predicted waits "
+                   "(instances need --enable-role-switching)")  # fmt: skip
+    r.add_argument("--pd-ttft-target", type=float, default=d.ttft_target,
+                   help="seconds: the prefill pool's predicted wait is judged against it")  # fmt: skip
+    r.add_argument("--pd-tpot-target", type=float, default=d.tpot_target,
+                   help="seconds: ... the decode pool's predicted step time")  # fmt: skip
+    r.add_argument("--pd-margin", type=float, default=d.margin,
+                   help="one pool's pressure over the other's before an instance moves")  # fmt: skip
+    r.add_argument("--pd-sustain", type=float, default=d.sustain,
+                   help="seconds the imbalance must hold before a move")  # fmt: skip
+    r.add_argument("--pd-cooldown", type=float, default=d.cooldown,
+                   help="seconds after a move before the next")  # fmt: skip
+    r.add_argument("--pd-cost-model", default=None,
+                   help="a cost model from `tandem profile` to price the waits (default: a prior)")  # fmt: skip
+    r.add_argument("--worker-admin-key", default=None,
+                   help="the instances' admin key, for POST /role (if they have one)")  # fmt: skip
 
 
 def add_parser(sub) -> None:
@@ -86,12 +107,18 @@ def add_parser(sub) -> None:
     a.add_argument("--max-predicted-ttft", type=float, default=d.max_predicted_ttft,
                    help="seconds: scale up while the cost model's TTFT on the best worker "
                    "stays above this (cost policy)")  # fmt: skip
+    a.add_argument("--min-slo-attainment", type=float, default=d.min_slo_attainment,
+                   help="0-1: scale up while the worst SLO class's attainment over the last "
+                   "minute (the workers' own counters) stays below this")  # fmt: skip
     a.add_argument("--scale-sustain", type=float, default=d.sustain,
                    help="seconds a signal must hold before the autoscaler acts")  # fmt: skip
     a.add_argument("--scale-up-cooldown", type=float, default=d.up_cooldown)
     a.add_argument("--scale-down-cooldown", type=float, default=d.down_cooldown)
     a.add_argument("--worker-start-timeout", type=float, default=300.0,
                    help="seconds a started worker gets to become healthy and warm")  # fmt: skip
+    a.add_argument("--worker-api-key", default=None,
+                   help="a key the started workers take (their --api-key), for the warm-up "
+                   "request before they get traffic")  # fmt: skip
     a.add_argument("--drain-timeout", type=float, default=600.0,
                    help="seconds a worker being removed gets to finish its requests")  # fmt: skip
     add_common(p)
@@ -123,9 +150,13 @@ def run(args: argparse.Namespace) -> int:
             args.request_timeout,
         )
         proxy = Proxy(config, client)
+        if args.pd_ratio == "auto":
+            proxy.balancer = _balancer(args, proxy)
         access = Access(keys, AccessPolicy(admin=()), args.max_request_bytes)
         app, pool, closing = pd_app(proxy, access), proxy, None
         what = f"PD mode: prefill {config.prefill}, decode {config.decode}"
+        if proxy.balancer is not None:
+            what += ", the ratio following the load (--pd-ratio auto)"
     else:
         from tandem.core.cost_model import CostModel
         from tandem.router.app import Router, RouterConfig, plain_app
@@ -163,6 +194,18 @@ def run(args: argparse.Namespace) -> int:
     return _serve(app, pool, args, what, keys.requires_key, tls, closing)
 
 
+def _balancer(args, proxy):
+    from tandem.core.cost_model import DEFAULT_PRIOR, CostModel
+    from tandem.disagg.roles import RoleBalancer
+    from tandem.router.pd_ratio import PDRatioConfig
+
+    config = PDRatioConfig(ttft_target=args.pd_ttft_target, tpot_target=args.pd_tpot_target,
+                           margin=args.pd_margin, sustain=args.pd_sustain,
+                           cooldown=args.pd_cooldown)  # fmt: skip
+    cost = CostModel.load(args.pd_cost_model) if args.pd_cost_model else DEFAULT_PRIOR
+    return RoleBalancer(proxy, config, cost, args.worker_admin_key)
+
+
 def _supervisor(args, router, client):
     import tempfile
     from pathlib import Path
@@ -175,6 +218,7 @@ def _supervisor(args, router, client):
         target_queue_per_worker=args.target_queue_per_worker,
         target_load_per_worker=args.target_load_per_worker, max_kv_usage=args.max_kv_usage,
         max_predicted_ttft=args.max_predicted_ttft, sustain=args.scale_sustain,
+        min_slo_attainment=args.min_slo_attainment,
         up_cooldown=args.scale_up_cooldown, down_cooldown=args.scale_down_cooldown,
     )  # fmt: skip
     for name in ("worker_start_timeout", "drain_timeout"):
@@ -185,6 +229,7 @@ def _supervisor(args, router, client):
     return LocalSupervisor(
         args.worker_command, router.pool, AutoscalePolicy(config), router.metrics, client,
         log_dir, args.worker_start_timeout, args.drain_timeout, signals=router.fleet_signals,
+        api_key=args.worker_api_key,
     )  # fmt: skip
 
 

@@ -20,6 +20,7 @@ import httpx
 from tandem.router.policy import RoutingPolicy, WorkerState
 
 log = logging.getLogger("tandem")
+_SLO_COUNTERS = {"tandem:slo_requests_total": 0, "tandem:slo_met_total": 1}  # per class
 _GAUGES = {
     "tandem:num_requests_running": "running",
     "tandem:num_requests_waiting": "waiting",
@@ -39,6 +40,7 @@ class Worker:
     ejections: int = 0
     errors: list[str] = field(default_factory=list)
     instance: str | None = None  # the process behind the URL, as its /health names it
+    slo: dict[str, tuple[float, float]] = field(default_factory=dict)  # class -> (done, met)
 
 
 class WorkerPool:
@@ -194,6 +196,7 @@ class WorkerPool:
 
     def _read_metrics(self, worker: Worker, text: str) -> None:
         sums: dict[str, float] = {}
+        slo: dict[str, list[float]] = {}
         for line in text.splitlines():
             if not line.startswith("tandem:"):
                 continue
@@ -203,6 +206,10 @@ class WorkerPool:
                 sums[key] = sums.get(key, 0.0) + float(value)
             except ValueError:
                 continue
+            if key in _SLO_COUNTERS and 'class="' in name:
+                cls = name.split('class="', 1)[1].split('"', 1)[0]
+                slo.setdefault(cls, [0.0, 0.0])[_SLO_COUNTERS[key]] += float(value)
+        worker.slo = {cls: (done, met) for cls, (done, met) in slo.items()}
         for metric, attr in _GAUGES.items():
             if metric in sums:
                 value = sums[metric]

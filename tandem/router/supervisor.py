@@ -43,7 +43,7 @@ class Managed:
 class LocalSupervisor:
     def __init__(self, command: str, pool, policy: AutoscalePolicy, metrics, client: httpx.AsyncClient,
                  log_dir: Path, start_timeout: float = 300.0, drain_timeout: float = 600.0,
-                 interval: float = 1.0, signals=None) -> None:  # fmt: skip
+                 interval: float = 1.0, signals=None, api_key: str | None = None) -> None:  # fmt: skip
         if "{port}" not in command:
             raise ValueError("worker_command must contain {port} (where the worker listens)")
         self.command, self.pool, self.policy, self.metrics = command, pool, policy, metrics
@@ -54,6 +54,7 @@ class LocalSupervisor:
             interval,
         )
         self.signals = signals  # () -> FleetSignals of the pool; the router's
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # warm-up's
         self.managed: dict[int, Managed] = {}
         self.backoff, self.retry_at = 0.0, 0.0
         self._tasks: set[asyncio.Task] = set()
@@ -114,7 +115,10 @@ class LocalSupervisor:
                 break
             try:
                 if (await self.client.get(m.url + "/health", timeout=2)).status_code == 200:
-                    await self._warm_up(m)
+                    refused = await self._warm_up(m)
+                    if refused:
+                        why = f"its warm-up request was refused: {refused}"
+                        break
                     m.worker_id = self.pool.add(m.url).state.id
                     self.backoff = 0.0
                     log.info("router: worker %s at %s ready after %.1f s", m.worker_id, m.url, time.monotonic() - m.started)  # fmt: skip
@@ -128,11 +132,17 @@ class LocalSupervisor:
         self.metrics.scale_actions.labels("failed_start").inc()
         await self._stop(m)
 
-    async def _warm_up(self, m: Managed) -> None:
-        """One token through the worker: its first step's one-off costs before clients come."""
-        models = (await self.client.get(m.url + "/v1/models", timeout=10)).json()["data"]
-        body = {"model": models[0]["id"], "prompt": "Hello", "max_tokens": 1}
-        await self.client.post(m.url + "/v1/completions", json=body, timeout=self.start_timeout)
+    async def _warm_up(self, m: Managed) -> str | None:
+        """One token through the worker: its first step's one-off costs before clients come.
+        -> why the worker refused it (a key it does not take: --worker-api-key), or None."""
+        h = self.headers
+        r = await self.client.get(m.url + "/v1/models", headers=h, timeout=10)
+        if r.status_code != 200:
+            return f"/v1/models {r.status_code} {r.text[:200]}"
+        body = {"model": r.json()["data"][0]["id"], "prompt": "Hello", "max_tokens": 1}
+        r = await self.client.post(m.url + "/v1/completions", json=body, headers=h,
+                                   timeout=self.start_timeout)  # fmt: skip
+        return None if r.status_code == 200 else f"/v1/completions {r.status_code} {r.text[:200]}"
 
     # ---- stopping -----------------------------------------------------------------------------
     def _least_loaded(self) -> Managed | None:

@@ -3,6 +3,7 @@ security.py), error mapping."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from tandem.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     LoadLoRAAdapterRequest,
+    RoleRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
     parse,
@@ -39,6 +41,7 @@ from tandem.server.security import Access, AccessGate, check_allowed_path
 from tandem.server.serving import Serving, api_error
 from tandem.server.streaming import json_response
 
+log = logging.getLogger("tandem")
 _UNGATED = ("/metrics", "/openapi.json")  # answer even while draining
 # Endpoints that parse their own bodies (for OpenAI-style errors): their schemas for /openapi.json
 _BODIES = {
@@ -48,6 +51,7 @@ _BODIES = {
     "/detokenize": DetokenizeRequest,
     "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
     "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest,
+    "/role": RoleRequest,
 }
 
 
@@ -120,6 +124,27 @@ def build_app(state: ServerState, access: Access | None = None) -> FastAPI:
         req = parse(UnloadLoRAAdapterRequest, await request.body())
         await serving.loras.unload(req.lora_name)
         return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+    @app.get("/role")
+    async def role() -> Response:
+        return json_response({"role": serving.role,
+                              "switchable": engine.config.enable_role_switching})  # fmt: skip
+
+    @app.post("/role")
+    async def switch_role(request: Request) -> Response:
+        """A prefill or decode instance (--enable-role-switching) takes the other role's
+        requests from now on, turning its old role's away as busy (503: a router tries
+        another instance); what it holds of the old role finishes beside the new; its prefix
+        cache is kept. The router moves it between its pools (--pd-ratio auto)."""
+        req = parse(RoleRequest, await request.body())
+        if not engine.config.enable_role_switching:
+            raise APIError(409, "role: this instance cannot switch roles: start it with "
+                           "--role prefill|decode --enable-role-switching", param="role")  # fmt: skip
+        previous, serving.role = serving.role, req.role
+        if previous != req.role:
+            log.info("role: %s -> %s", previous, req.role)
+            state.metrics.on_role_switch(req.role)
+        return json_response({"role": req.role, "previous": previous})
 
     # Which process answers at this address: a router that sees the id change knows the
     # worker restarted (its prefix cache is empty) though its URL stayed the same.

@@ -287,7 +287,10 @@ async def _serve(args: argparse.Namespace, config, model: str | None, sock) -> i
         state = ServerState(serving, metrics)
         access = Access(
             args.keys,
-            AccessPolicy(admin_open=runtime_lora_updating(args.enable_runtime_lora_updating)),
+            AccessPolicy(
+                admin_open=runtime_lora_updating(args.enable_runtime_lora_updating),
+                flagged=(("/role", "--enable-role-switching", config.enable_role_switching),),
+            ),
             args.max_request_bytes,
             args.allowed_local_path,
         )

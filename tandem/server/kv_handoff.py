@@ -27,7 +27,9 @@ def prompt_digest(token_ids: list[int]) -> str:
     return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=8).hexdigest()
 
 
-def check_role(kv: KVTransferField | None, role: str) -> None:
+def check_role(kv: KVTransferField | None, role: str, switching: bool = False) -> None:
+    """A handoff stage this instance may serve in `role`; one that switches roles turns away
+    the other role's requests as busy (503: the router tries another instance)."""
     if kv is None:
         return
     if kv.do_remote_prefill and kv.do_remote_decode:
@@ -36,6 +38,8 @@ def check_role(kv: KVTransferField | None, role: str) -> None:
             "kv_transfer_params",
         )
     wanted = "decode" if kv.do_remote_prefill else "prefill" if kv.do_remote_decode else None
+    if wanted is not None and role != wanted and switching:
+        raise unavailable(f"this instance now serves the {role} role", retry_after=1)
     if wanted is not None and role != wanted:
         raise bad_request(
             f"kv_transfer_params: this is a {role!r} instance; "

@@ -138,6 +138,12 @@ class Metrics:
             registry=self.registry,
         )
         self._expert_tokens: list[int] = []
+        self.role_switches = Counter(
+            "tandem:role_switches",
+            "Times POST /role switched this instance, by the role it took (prefill, decode)",
+            [*_LABELS, "role"],
+            registry=self.registry,
+        )
         self.kv_lookups = self._counter(
             "kv_offload_lookups", "Admissions that asked the KV tiers for a prefix"
         )
@@ -248,6 +254,9 @@ class Metrics:
 
     def on_add(self, request_id: str, slo: SLOClass) -> None:
         self._slo[request_id] = slo
+
+    def on_role_switch(self, role: str) -> None:
+        self.role_switches.labels(*self._labels, role).inc()
 
     def on_shed(self, request_id: str) -> None:
         slo = self._slo.pop(request_id, None)

@@ -397,6 +397,10 @@ class UnloadLoRAAdapterRequest(_Model):  # vLLM's POST /v1/unload_lora_adapter
     lora_int_id: Int64 | None = None
 
 
+class RoleRequest(_Model):  # POST /role: a prefill or decode instance switches
+    role: Literal["prefill", "decode"]
+
+
 MAX_JSON_DEPTH = 64
 
 

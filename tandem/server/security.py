@@ -229,11 +229,23 @@ class AccessPolicy:
     admin_methods: tuple[str, ...] = ()  # () for every method
     admin_open: bool = False
     admin_flag: str = "--enable-runtime-lora-updating"
+    # admin paths a flag of their own opens, for POST (reading them is public): (path, flag, opened)
+    flagged: tuple[tuple[str, str, bool], ...] = ()
 
     def kind(self, method: str, path: str) -> str | None:
         if path.startswith(self.admin) and (not self.admin_methods or method in self.admin_methods):
             return ADMIN
+        if method == "POST" and any(path == p for p, _, _ in self.flagged):
+            return ADMIN
         return USER if path.startswith(self.user) else None
+
+    def opening(self, path: str) -> tuple[str, bool]:
+        """The flag that opens an admin path to API keys (or to anyone, with none), and
+        whether it was given."""
+        for p, flag, opened in self.flagged:
+            if path == p:
+                return flag, opened
+        return self.admin_flag, self.admin_open
 
 
 def runtime_lora_updating(flag: bool) -> bool:
@@ -279,7 +291,7 @@ class AccessGate:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         key = self.ring.identify(headers.get(b"authorization", b""))
-        refusal = self._refusal(kind, key)
+        refusal = self._refusal(kind, key, scope["path"])
         name = key.name if key else "anonymous"
         if refusal is None and _declared_length(headers) > self.max_bytes:
             refusal = _too_large(self.max_bytes)
@@ -319,7 +331,7 @@ class AccessGate:
             )  # fmt: skip
         raise _too_many(wait)
 
-    def _refusal(self, kind: str, key: APIKey | None) -> APIError | None:
+    def _refusal(self, kind: str, key: APIKey | None, path: str) -> APIError | None:
         if kind == ADMIN:
             if self.ring.has_admin:
                 if key is None:
@@ -327,10 +339,11 @@ class AccessGate:
                 return (
                     None if key.role == ADMIN else _forbidden("this endpoint needs the admin key")
                 )
-            if not self.policy.admin_open:
+            flag, opened = self.policy.opening(path)
+            if not opened:
                 return _forbidden(
                     "this endpoint is off: start the server with --admin-api-key, or with "
-                    f"{self.policy.admin_flag} to open it to API keys"
+                    f"{flag} to open it to API keys"
                 )
         if self.ring.requires_key and (key is None or key.role != USER):
             return unauthorized()

@@ -56,6 +56,7 @@ class Serving:
         self.tokenizer = engine.tokenizer
         self.served_names = served_names
         self.model_name = served_names[0]
+        self.role = engine.config.role  # prefill | decode | both; POST /role switches it
         self.max_waiting = max_waiting
         self.sampling_defaults = sampling_defaults or {}  # for fields a request leaves unset
         self.log_requests = log_requests
@@ -190,7 +191,7 @@ class Serving:
         """Start one generation per prompt (admission checked for all of them first). `kv`:
         this request's part in a prefill/decode handoff (server/kv_handoff.py)."""
         slo, priority = self.slo(slo_class, priority)
-        kv_handoff.check_role(kv, self.engine.config.role)
+        kv_handoff.check_role(kv, self.role, self.engine.config.enable_role_switching)
         remote_prefill = kv is not None and kv.do_remote_prefill
         sends = None
         if kv is not None and kv.do_remote_decode:

@@ -88,6 +88,7 @@ class Instance:
     def __init__(self, name: str, group: GroupSpec, cluster: ClusterSpec, shared_tier=None) -> None:
         settings = DEFAULT_ENGINE | cluster.engine
         self.name, self.group = name, group
+        self.role = group.role  # prefill | decode | both; sim/roles.py moves it between pools
         self.clock = FakeClock()
         block_size = settings["block_size"]
         self.tiers = _kv_tiers(group, block_size, self.clock, settings, cluster, shared_tier)
@@ -157,8 +158,8 @@ class Simulation:
             for g in cluster.groups
             for i in range(g.count)
         ]
-        self.front = [i for i in self.instances if i.group.role != "prefill"]  # clients see
-        self.prefill = [i for i in self.instances if i.group.role == "prefill"]
+        self.front = [i for i in self.instances if i.role != "prefill"]  # clients see
+        self.prefill = [i for i in self.instances if i.role == "prefill"]
         self.by_name = {i.name: i for i in self.instances}
         self.policy = build_policy(cluster.router, cluster.groups[0].cost_model)
         self.prefill_policy = build_policy(
@@ -206,6 +207,8 @@ class Simulation:
                     self._arrive(*payload)
                 elif kind == "reserve":
                     self._queue_reserve(when, *payload)
+                elif kind == "tick":  # a policy's look at the cluster (sim/roles.py)
+                    self._tick(when)
                 else:
                     self._commit(when, *payload)
             elif ready:
@@ -296,26 +299,32 @@ class Simulation:
         start = inst.clock()
         outputs = inst.core.step()
         now = inst.clock()
-        if inst.group.role == "prefill":
-            for out in outputs:
-                if out.new_token_ids:  # the prompt is done: its KV finishes crossing the link
-                    self.records[out.request_id].prefilled = now
-                    self._push(self._kv_arrival(inst, out.request_id, start, now), "commit",
-                               (out.request_id, out.new_token_ids[0]))  # fmt: skip
-                elif out.finish_reason is not None:
-                    self.records[out.request_id].error = out.error or "prefill failed"
-        else:
-            seen = now + inst.group.latency_s
-            for out in outputs:
-                self.records[out.request_id].observe(out, seen)
-            while inst.backlog and self._reserve(inst, *inst.backlog[0], now):
-                inst.backlog.pop(0)
+        seen = now + inst.group.latency_s
+        records = self.records
+        for out in outputs:
+            record = records[out.request_id]
+            if record.instance == inst.name:  # its client's request (colocated or decode)
+                record.observe(out, seen)
+            elif out.new_token_ids:  # a prompt computed for a decode instance: its KV crosses
+                record.prefilled = now
+                self._prefilled(inst, record)
+                self._push(self._kv_arrival(inst, out.request_id, start, now), "commit",
+                           (out.request_id, out.new_token_ids[0]))  # fmt: skip
+            elif out.finish_reason is not None:
+                record.error = out.error or "prefill failed"
+        while inst.backlog and self._reserve(inst, *inst.backlog[0], now):
+            inst.backlog.pop(0)
         self._touch(inst)
+
+    def _prefilled(self, prefill: Instance, record: Record) -> None:
+        """A prompt's prefill is done (sim/roles.py counts what each instance has queued)."""
 
     def _kv_arrival(self, prefill: Instance, rid: str, start: float, end: float) -> float:
         record = self.records[rid]
         decode = self.by_name[record.instance]
-        link = self.cluster.links[(prefill.group.name, decode.group.name)]
+        link = self.cluster.links.get((prefill.group.name, decode.group.name))
+        if link is None:  # an instance that changed role (sim/roles.py): the cluster's link
+            link = next(iter(self.cluster.links.values()))
         whole = link.transfer_seconds(record.kv_bytes)
         last_layer = whole / self.cluster.model.num_layers
         return max(end + last_layer, start + whole) + link.latency_s

@@ -99,6 +99,29 @@ def diurnal_requests(duration: float, trough: float, peak: float, input_len: int
                                        slo=dict(slo or {})))  # fmt: skip
 
 
+def shifting_mix_requests(duration: float, rate: float, prompt_heavy: tuple[int, int],
+                          decode_heavy: tuple[int, int], seed: int = 0, range_ratio: float = 0.0,
+                          slo: dict[str, float] | None = None, high: float = 0.9,
+                          low: float = 0.1) -> list[SimRequest]:  # fmt: skip
+    """Poisson arrivals at `rate` requests/s, each prompt-heavy or decode-heavy ((input_len,
+    output_len) pairs): the prompt-heavy share moves from `high` (at 0 and `duration`) to
+    `low` (halfway) on a cosine, so the work shifts from prompts to decodes and back."""
+    import math
+
+    rng = random.Random(seed)
+    kinds = [tuple(LengthRange.around(n, range_ratio) for n in pair) for pair in (prompt_heavy, decode_heavy)]  # fmt: skip
+    requests, t = [], 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration:
+            return requests
+        share = low + (high - low) * (1 + math.cos(2 * math.pi * t / duration)) / 2
+        inp, out = kinds[0] if rng.random() < share else kinds[1]
+        n = len(requests)
+        requests.append(SimRequest(t, RandomTokens((seed, n), inp.draw(rng)), out.draw(rng),
+                                   slo=dict(slo or {})))  # fmt: skip
+
+
 def multi_class_requests(n: int, classes: list[RequestClass], rate: float, seed: int = 0,
                          burstiness: float = 1.0) -> list[SimRequest]:  # fmt: skip
     """Each request's class drawn by share (`tandem bench --class` specs); its lengths,

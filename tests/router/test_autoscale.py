@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.router.autoscale import AutoscaleConfig, AutoscalePolicy, FleetSignals
+from tandem.router.autoscale import (
+    AttainmentWindow,
+    AutoscaleConfig,
+    AutoscalePolicy,
+    FleetSignals,
+)
 
 CONFIG = AutoscaleConfig(min_workers=1, max_workers=4, target_queue_per_worker=4.0,
                          sustain=10.0, up_cooldown=30.0, down_cooldown=120.0)  # fmt: skip
@@ -103,14 +108,58 @@ def test_a_load_target_adds_workers_before_a_queue_forms_and_sets_the_scale_down
     assert policy.decide(2.0, FleetSignals(serving=4, load=18)).desired == 3  # 18 / 3 <= 6
 
 
+def test_a_class_missing_its_slo_adds_a_worker_and_blocks_a_scale_down():
+    config = AutoscaleConfig(max_workers=4, target_load_per_worker=10, min_slo_attainment=0.9,
+                             sustain=0, up_cooldown=0, down_cooldown=0)  # fmt: skip
+    policy = AutoscalePolicy(config)
+    d = policy.decide(0.0, FleetSignals(serving=2, load=4, slo_attainment=0.7))  # light load
+    assert d.desired == 3 and "SLO attainment 70% < 90%" in d.reason
+    light = FleetSignals(serving=3, load=2, slo_attainment=0.85)
+    assert policy.decide(1.0, light).desired == 4  # still short: more
+    assert policy.decide(2.0, FleetSignals(serving=4, load=2, slo_attainment=0.95)).desired == 3
+    assert policy.decide(3.0, FleetSignals(serving=3, load=2, slo_attainment=None)).desired == 2
+
+
+def test_attainment_per_class_over_the_window_from_cumulative_counters():
+    window = AttainmentWindow(window=60.0, min_requests=10)
+    window.observe(0.0, {("w1", "chat"): (100, 100), ("w1", "batch"): (50, 10)})
+    assert window.worst() == pytest.approx(0.2)  # counters at first sight count once
+    window.observe(61.0, {("w1", "chat"): (120, 110), ("w1", "batch"): (55, 15)})
+    # the last minute: chat 10 of 20; batch 5 finished, too few to judge
+    assert window.worst() == pytest.approx(0.5)
+    window.observe(62.0, {("w1", "chat"): (4, 4), ("w1", "batch"): (55, 15)})  # w1 restarted
+    assert window.worst() == pytest.approx(14 / 24)
+    window.observe(200.0, {("w1", "chat"): (4, 4), ("w1", "batch"): (55, 15)})
+    assert window.worst() is None  # nothing finished in the last minute
+
+
 @pytest.mark.parametrize(
     "field, value, message",
     [("min_workers", -1, "min_workers"), ("max_workers", 0, "max_workers"),
      ("target_queue_per_worker", 0, "target_queue_per_worker"), ("sustain", -1, "sustain"),
      ("max_predicted_ttft", 0, "max_predicted_ttft"),
      ("target_load_per_worker", 0, "target_load_per_worker"),
-     ("scale_down_fraction", 1.0, "scale_down_fraction")],
+     ("scale_down_fraction", 1.0, "scale_down_fraction"),
+     ("min_slo_attainment", 1.5, "min_slo_attainment")],
 )  # fmt: skip
 def test_a_bad_setting_is_refused_naming_it(field, value, message):
     with pytest.raises(ValueError, match=message):
         AutoscalePolicy(AutoscaleConfig(**{field: value}))
+
+
+def test_the_pool_reads_each_class_s_slo_counters_from_a_worker_s_metrics():
+    from tandem.router.policy import LeastLoad
+    from tandem.router.pool import WorkerPool
+
+    pool = WorkerPool(["http://w"], LeastLoad(), client=None)
+    (worker,) = pool.workers.values()
+    text = "\n".join([
+        'tandem:slo_requests_total{model_name="m",engine="0",class="chat"} 12.0',
+        'tandem:slo_met_total{model_name="m",engine="0",class="chat"} 9.0',
+        'tandem:slo_requests_total{model_name="m",engine="0",class="batch"} 3.0',
+        'tandem:slo_met_total{model_name="m",engine="0",class="batch"} 3.0',
+        'tandem:num_requests_running{model_name="m",engine="0"} 2.0',
+    ])  # fmt: skip
+    pool._read_metrics(worker, text)
+    assert worker.slo == {"chat": (12.0, 9.0), "batch": (3.0, 3.0)}
+    assert worker.state.running == 2

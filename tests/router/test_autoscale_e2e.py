@@ -107,3 +107,25 @@ def test_a_worker_that_cannot_start_is_retried_with_backoff_and_counted(tmp_path
     finally:
         router.stop()
     assert "next start in 5 s" in router.log_path.read_text()
+
+
+def test_workers_that_take_a_key_are_warmed_with_it_and_refused_without(llama_path, tmp_path):
+    command = worker_command(llama_path) + " --api-key sk-worker"
+    keyless = FrontEnd(["router", "--autoscale", "--worker-command", command, "--min-workers",
+                        "1", "--max-workers", "1"], tmp_path, "keyless")  # fmt: skip
+    try:  # the warm-up gets a 401: the worker never takes traffic, and the log says why
+        wait_for(lambda: "its warm-up request was refused: /v1/models 401" in keyless.log_path.read_text(), 120, "the refusal")  # fmt: skip
+        assert httpx.get(f"{keyless.url}/health", timeout=5).status_code == 503
+        assert metrics(keyless.url, "action")["tandem:router_scale_actions_total:failed_start"] >= 1  # fmt: skip
+    finally:
+        keyless.stop()
+    keyed = FrontEnd(["router", "--autoscale", "--worker-command", command, "--min-workers", "1",
+                      "--max-workers", "1", "--worker-api-key", "sk-worker"], tmp_path, "keyed")  # fmt: skip
+    try:
+        keyed.wait_ready(timeout=120)
+        r = httpx.post(f"{keyed.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                       headers={"Authorization": "Bearer sk-worker"}, timeout=60)  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert "refused" not in keyed.log_path.read_text()
+    finally:
+        keyed.stop()

@@ -144,6 +144,12 @@ def test_openapi_document_describes_the_request_bodies(http):
     assert "/v1/chat/completions" in doc["paths"] and "/tokenize" in doc["paths"]
 
 
+def test_without_its_flag_the_role_switch_is_off_and_the_role_reads(http):
+    r = http.post("/role", json={"role": "decode"})
+    assert r.status_code == 403 and "--enable-role-switching" in r.json()["error"]["message"]
+    assert http.get("/role").json() == {"role": "both", "switchable": False}
+
+
 def test_without_an_admin_key_the_lora_endpoints_are_off(http, tmp_path):
     for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
         r = http.post(path, json={"lora_name": "a", "lora_path": str(tmp_path)})

@@ -50,7 +50,7 @@ def _app(access: Access, limiter: Limiter | None = None, registry=None) -> Starl
         return Response(f"{request.scope.get('tandem.key')}:{len(body)}")
 
     routes = [Route(p, echo, methods=["GET", "POST", "DELETE"])
-              for p in ("/v1/completions", "/v1/load_lora_adapter", "/health", "/workers")]  # fmt: skip
+              for p in ("/v1/completions", "/v1/load_lora_adapter", "/health", "/workers", "/role")]  # fmt: skip
     app = Starlette(routes=routes)
     return AccessGate(app, access, registry or CollectorRegistry(), limiter)
 
@@ -148,6 +148,30 @@ def test_without_an_admin_key_admin_endpoints_are_off_unless_opened_by_flag():
     off = _run(go(AccessPolicy()))
     assert off.status_code == 403 and "--admin-api-key" in off.json()["error"]["message"]
     assert _run(go(AccessPolicy(admin_open=True))).status_code == 200
+
+
+def test_a_flagged_admin_path_is_opened_by_its_own_flag_only():
+    ring = KeyRing.from_flags(["sk-user"])
+    flag = "--enable-role-switching"
+
+    async def go(policy, path):
+        async with _client(_app(Access(ring, policy))) as c:
+            return await c.post(path, headers=_bearer("sk-user"))
+
+    off = _run(go(AccessPolicy(flagged=(("/role", flag, False),)), "/role"))
+    assert off.status_code == 403 and flag in off.json()["error"]["message"]
+    opened = AccessPolicy(flagged=(("/role", flag, True),))
+    assert _run(go(opened, "/role")).status_code == 200
+    lora = _run(go(opened, "/v1/load_lora_adapter"))  # the LoRA paths keep their own flag
+    assert lora.status_code == 403 and "--enable-runtime-lora-updating" in lora.text
+    admin = KeyRing.from_flags(["sk-user"], admin_api_key="sk-admin")
+
+    async def with_admin():
+        async with _client(_app(Access(admin, opened))) as c:
+            assert (await c.post("/role", headers=_bearer("sk-user"))).status_code == 403
+            assert (await c.post("/role", headers=_bearer("sk-admin"))).status_code == 200
+
+    _run(with_admin())
 
 
 def test_admin_methods_limit_which_calls_on_a_path_are_admin():

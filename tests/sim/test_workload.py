@@ -42,3 +42,20 @@ def test_an_azure_trace_replays_its_timestamps_and_lengths(tmp_path):
     assert [len(r.prompt) for r in requests] == [374, 396, 1]  # an empty context still runs
     assert [r.output_len for r in requests] == [44, 109, 7]
     assert len(azure_trace(trace, limit=2)) == 2
+
+
+def test_a_shifting_mix_moves_from_prompt_heavy_to_decode_heavy_and_back():
+    from tandem.sim.workload import shifting_mix_requests
+
+    requests = shifting_mix_requests(3000, 2.0, (4000, 10), (100, 500), seed=3)
+    assert requests == shifting_mix_requests(3000, 2.0, (4000, 10), (100, 500), seed=3)
+    assert 5400 < len(requests) < 6600  # Poisson at 2 req/s
+
+    def heavy_share(lo: float, hi: float) -> float:
+        part = [r for r in requests if lo <= r.arrival < hi]
+        return sum(len(r.prompt) == 4000 for r in part) / len(part)
+
+    # 90% prompt-heavy at the ends, 10% halfway (a cosine between)
+    assert heavy_share(0, 150) > 0.8 and heavy_share(2850, 3000) > 0.8
+    assert heavy_share(1350, 1650) < 0.2
+    assert {r.output_len for r in requests} == {10, 500}
