@@ -84,14 +84,14 @@ def deployments(llama_path, tmp_path_factory):
         "stalls",
         decode_args=("--kv-transfer-timeout", "3"),
         proxy_args=("--prefill-timeout", "1.5"),
-        reference_args=(),
     )
+    started["stalls"] = (started["same"][0], *started["stalls"][1:])  # one colocated reference
     p2 = Server(llama_path, ["--role", "prefill"], logs, "two-prefill")
     ds = [Server(llama_path, ["--role", "decode"], logs, f"two-decode-{i}") for i in range(2)]
     started["two"] = (None, p2, ds, ProxyProcess([p2], ds, logs, "two-proxy"))
     yield started
-    every = [s for ref, p, d, _ in started.values()
-             for s in (ref, p, *(d if isinstance(d, list) else [d])) if s is not None]  # fmt: skip
+    every = list({id(s): s for ref, p, d, _ in started.values()
+                  for s in (ref, p, *(d if isinstance(d, list) else [d])) if s is not None}.values())  # fmt: skip
     for *_, proxy in started.values():
         proxy.stop()
     for s in every:
