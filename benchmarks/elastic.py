@@ -7,7 +7,8 @@ instance-hours of both, and the saving.
 
     python benchmarks/elastic.py [--minutes 60] [--trough 2] [--peak 8] [--target 0.95]
                                  [--start-seconds 60] [--static-from N] [--target-load L]
-                                 [--scale-down-fraction F] [--down-cooldown S] [--json F]
+                                 [--scale-down-fraction F] [--down-cooldown S] [--lookahead S]
+                                 [--json F]
 
 The policy's settings are `tandem router --autoscale`'s flags; docs/simulator.md has the run.
 """
@@ -55,6 +56,8 @@ def main() -> int:
     p.add_argument("--sustain", type=float, default=5.0)
     p.add_argument("--up-cooldown", type=float, default=15.0)
     p.add_argument("--down-cooldown", type=float, default=d.down_cooldown)
+    p.add_argument("--lookahead", type=float, default=0.0,
+                   help="seconds ahead the load is projected on its trend (0: off)")  # fmt: skip
     p.add_argument("--json", default=None)
     args = p.parse_args()
     duration = args.minutes * 60
@@ -81,7 +84,7 @@ def main() -> int:
                              target_load_per_worker=args.target_load,
                              scale_down_fraction=args.scale_down_fraction,
                              sustain=args.sustain, up_cooldown=args.up_cooldown,
-                             down_cooldown=args.down_cooldown)  # fmt: skip
+                             down_cooldown=args.down_cooldown, lookahead=args.lookahead)  # fmt: skip
     sim = ElasticSimulation(cluster(1, args.hardware), requests, config, args.start_seconds)
     records = sim.run()
     elastic = summarize(sim, records)

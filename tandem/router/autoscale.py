@@ -20,7 +20,9 @@ its attainment floor, held as long. Each direction waits its cooldown after any 
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections import deque
 from dataclasses import dataclass
 
 
@@ -34,6 +36,12 @@ class AutoscaleConfig:
     max_kv_usage: float = 0.9  # a worker's KV cache fuller than this is pressure
     max_predicted_ttft: float | None = None  # seconds; None: not a signal
     min_slo_attainment: float | None = None  # 0-1, the worst class's; None: not a signal
+    # seconds ahead the load is projected on its trend over `trend_window` (a least-squares
+    # line through its samples): a worker asked for now serves only after its cold start, so
+    # scaling up judges the load it will meet (the higher of it and today's); scaling down
+    # waits for the load itself to fall. 0: the load as it is.
+    lookahead: float = 0.0
+    trend_window: float = 120.0
     sustain: float = 10.0  # seconds a signal must hold before it acts
     up_cooldown: float = 30.0  # seconds after a change before the next scale-up
     down_cooldown: float = 120.0  # ... before the next scale-down
@@ -56,6 +64,8 @@ class AutoscaleConfig:
             raise ValueError(f"target_load_per_worker must be > 0, got {self.target_load_per_worker!r}")  # fmt: skip
         if not 0 < self.scale_down_fraction < 1:
             raise ValueError(f"scale_down_fraction must be in (0, 1), got {self.scale_down_fraction!r}")  # fmt: skip
+        if not (self.lookahead >= 0 and self.trend_window > 0):
+            raise ValueError(f"lookahead must be >= 0 and trend_window > 0 (seconds), got {self.lookahead!r}, {self.trend_window!r}")  # fmt: skip
         if self.min_slo_attainment is not None and not 0 < self.min_slo_attainment <= 1:
             raise ValueError(f"min_slo_attainment must be in (0, 1], got {self.min_slo_attainment!r}")  # fmt: skip
         if self.max_predicted_ttft is not None and not self.max_predicted_ttft > 0:
@@ -86,10 +96,13 @@ class AutoscalePolicy:
         self._pressure_since: float | None = None
         self._slack_since: float | None = None
         self._last_change = -math.inf
+        self._loads: deque[tuple[float, int]] = deque()  # (when, load): the trend's samples
 
     def decide(self, now: float, s: FleetSignals) -> ScaleDecision:
         c = self.config
         fleet = s.serving + s.starting
+        if c.lookahead > 0:  # scale up for the load a new worker will meet; down on today's
+            s = dataclasses.replace(s, load=max(s.load, self._projected(now, s.load)))
         if fleet < c.min_workers:
             return self._changed(now, c.min_workers, f"below min_workers {c.min_workers}")
         if fleet > c.max_workers:
@@ -105,6 +118,22 @@ class AutoscalePolicy:
             if s.serving > max(1, c.min_workers):
                 return self._changed(now, fleet - 1, "load fits one worker fewer")
         return ScaleDecision(fleet, "steady")
+
+    def _projected(self, now: float, load: int) -> int:
+        """The load `lookahead` seconds from now on its recent trend (never below 0); the load
+        itself until half the trend window has samples."""
+        c, samples = self.config, self._loads
+        samples.append((now, load))
+        while samples[0][0] < now - c.trend_window:
+            samples.popleft()
+        if samples[-1][0] - samples[0][0] < c.trend_window / 2:
+            return load
+        n = len(samples)
+        mt = sum(t for t, _ in samples) / n
+        ml = sum(v for _, v in samples) / n
+        var = sum((t - mt) ** 2 for t, _ in samples)
+        slope = sum((t - mt) * (v - ml) for t, v in samples) / var if var else 0.0
+        return max(0, round(ml + slope * (now + c.lookahead - mt)))
 
     def _pressure(self, s: FleetSignals) -> str | None:
         c = self.config

@@ -110,6 +110,9 @@ def add_parser(sub) -> None:
     a.add_argument("--min-slo-attainment", type=float, default=d.min_slo_attainment,
                    help="0-1: scale up while the worst SLO class's attainment over the last "
                    "minute (the workers' own counters) stays below this")  # fmt: skip
+    a.add_argument("--scale-lookahead", type=float, default=d.lookahead,
+                   help="seconds: judge the load targets on the load projected this far ahead "
+                   "on its trend over the last 2 minutes (a worker's cold start; 0: off)")  # fmt: skip
     a.add_argument("--scale-sustain", type=float, default=d.sustain,
                    help="seconds a signal must hold before the autoscaler acts")  # fmt: skip
     a.add_argument("--scale-up-cooldown", type=float, default=d.up_cooldown)
@@ -218,7 +221,7 @@ def _supervisor(args, router, client):
         target_queue_per_worker=args.target_queue_per_worker,
         target_load_per_worker=args.target_load_per_worker, max_kv_usage=args.max_kv_usage,
         max_predicted_ttft=args.max_predicted_ttft, sustain=args.scale_sustain,
-        min_slo_attainment=args.min_slo_attainment,
+        min_slo_attainment=args.min_slo_attainment, lookahead=args.scale_lookahead,
         up_cooldown=args.scale_up_cooldown, down_cooldown=args.scale_down_cooldown,
     )  # fmt: skip
     for name in ("worker_start_timeout", "drain_timeout"):

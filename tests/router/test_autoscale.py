@@ -120,6 +120,34 @@ def test_a_class_missing_its_slo_adds_a_worker_and_blocks_a_scale_down():
     assert policy.decide(3.0, FleetSignals(serving=3, load=2, slo_attainment=None)).desired == 2
 
 
+def test_a_lookahead_scales_up_for_the_load_the_trend_brings_but_down_only_on_today_s():
+    def rising(config):
+        policy = AutoscalePolicy(config)
+        # the load climbs 0.25 requests a second; at t=120 it is 30, 7.5 per worker of 4
+        return [policy.decide(float(t), FleetSignals(serving=4, load=t // 4)).desired
+                for t in range(121)]  # fmt: skip
+
+    base = dict(max_workers=8, target_load_per_worker=10, sustain=0, up_cooldown=0)
+    rise = dict(base, min_workers=4)  # no scale-down in the low start
+    assert set(rising(AutoscaleConfig(**rise))) == {4}  # never over 10 per worker as it is
+    ahead = rising(AutoscaleConfig(**rise, lookahead=60, trend_window=120))
+    assert ahead[:60] == [4] * 60  # half a window of samples before the trend is trusted
+    # 60 s ahead the load is ~45: 5 workers first, more as the line climbs
+    assert ahead[60:] != [4] * 61 and ahead[-1] >= 5
+
+    def first_scale_down(**extra) -> int:
+        policy = AutoscalePolicy(AutoscaleConfig(**base, down_cooldown=0, **extra))
+        for t in range(200):  # the load falls from 40 by 0.25 a second
+            if policy.decide(float(t), FleetSignals(serving=4, load=40 - t // 4)).desired < 4:
+                return t
+        return -1
+
+    # the load fits 3 workers at 9 each (0.9 of 10) from t=52 (load 27); a falling trend
+    # does not remove a worker sooner: the load it serves now is still there
+    assert first_scale_down(scale_down_fraction=0.9) == 52
+    assert first_scale_down(scale_down_fraction=0.9, lookahead=60, trend_window=60) == 52
+
+
 def test_attainment_per_class_over_the_window_from_cumulative_counters():
     window = AttainmentWindow(window=60.0, min_requests=10)
     window.observe(0.0, {("w1", "chat"): (100, 100), ("w1", "batch"): (50, 10)})
@@ -140,7 +168,7 @@ def test_attainment_per_class_over_the_window_from_cumulative_counters():
      ("max_predicted_ttft", 0, "max_predicted_ttft"),
      ("target_load_per_worker", 0, "target_load_per_worker"),
      ("scale_down_fraction", 1.0, "scale_down_fraction"),
-     ("min_slo_attainment", 1.5, "min_slo_attainment")],
+     ("min_slo_attainment", 1.5, "min_slo_attainment"), ("lookahead", -1, "lookahead")],
 )  # fmt: skip
 def test_a_bad_setting_is_refused_naming_it(field, value, message):
     with pytest.raises(ValueError, match=message):
