@@ -145,9 +145,14 @@ class EngineConfig:
         "restart, its prefix cache kept (`tandem router --pd-ratio auto` does)",
     )
     kv_host: str = _flag(
-        "127.0.0.1", "decode role: the address to receive KV on, as prefill instances reach it"
+        "127.0.0.1",
+        "decode role (or one that may switch to it): the address to receive KV on, as "
+        "prefill instances reach it",
     )
-    kv_port: int = _flag(0, "decode role: the TCP port to receive KV on (0: any free port)")
+    kv_port: int = _flag(
+        0,
+        "decode role (or one that may switch to it): the TCP port to receive KV on (0: any free port)",
+    )
     kv_transfer_timeout: float = _flag(
         60.0,
         "decode role: seconds a reservation waits for its KV before it is given up (the "

@@ -56,11 +56,12 @@ def deployments(llama_path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("pd-logs")
     started: dict[str, tuple] = {}
 
-    def deployment(name, prefill_args=(), decode_args=(), proxy_args=(), reference_args=None):
+    def deployment(name, prefill_args=(), decode_args=(), proxy_args=(), reference_args=None,
+                   prefill=None):  # fmt: skip
         ref = None
         if reference_args is not None:
             ref = Server(llama_path, list(reference_args), logs, f"{name}-ref")
-        p = Server(llama_path, ["--role", "prefill", *prefill_args], logs, f"{name}-prefill")
+        p = prefill or Server(llama_path, ["--role", "prefill", *prefill_args], logs, f"{name}-prefill")  # fmt: skip
         d = Server(llama_path, ["--role", "decode", *decode_args], logs, f"{name}-decode")
         started[name] = (ref, p, d, ProxyProcess([p], [d], logs, f"{name}-proxy", proxy_args))
 
@@ -78,7 +79,8 @@ def deployments(llama_path, tmp_path_factory):
         ),
         reference_args=(),
     )
-    deployment("mixed", decode_args=BF16_8, reference_args=BF16_8)  # float32/16 -> bf16/8
+    p2 = Server(llama_path, ["--role", "prefill"], logs, "two-prefill")  # also "mixed"'s
+    deployment("mixed", decode_args=BF16_8, reference_args=BF16_8, prefill=p2)  # f32/16 -> bf16/8
     deployment("dies", proxy_args=("--stream-timeout", "5"))
     deployment(
         "stalls",
@@ -86,7 +88,6 @@ def deployments(llama_path, tmp_path_factory):
         proxy_args=("--prefill-timeout", "1.5"),
     )
     started["stalls"] = (started["same"][0], *started["stalls"][1:])  # one colocated reference
-    p2 = Server(llama_path, ["--role", "prefill"], logs, "two-prefill")
     ds = [Server(llama_path, ["--role", "decode"], logs, f"two-decode-{i}") for i in range(2)]
     started["two"] = (None, p2, ds, ProxyProcess([p2], ds, logs, "two-proxy"))
     yield started
