@@ -14,6 +14,7 @@ die with the router (PR_SET_PDEATHSIG), however it ends.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import shlex
 import signal
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from tandem.router.autoscale import AutoscalePolicy, FleetSignals
+from tandem.router.autoscale import AutoscalePolicy
 
 log = logging.getLogger("tandem")
 MIN_BACKOFF, MAX_BACKOFF = 5.0, 300.0
@@ -74,10 +75,9 @@ class LocalSupervisor:
 
     def step(self, now: float) -> None:
         starting = sum(1 for m in self.managed.values() if m.worker_id is None)
-        base = self.signals()
-        decision = self.policy.decide(now, FleetSignals(
-            base.serving, starting, base.queued, base.load, base.max_kv_usage, base.predicted_ttft,
-        ))  # fmt: skip
+        # the router's signals, every field (the SLO attainment too), with the starts added
+        base = dataclasses.replace(self.signals(), starting=starting)
+        decision = self.policy.decide(now, base)
         self.metrics.desired_workers.set(decision.desired)
         self.metrics.starting_workers.set(starting)
         fleet = base.serving + starting

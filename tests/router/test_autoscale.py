@@ -191,3 +191,23 @@ def test_the_pool_reads_each_class_s_slo_counters_from_a_worker_s_metrics():
     pool._read_metrics(worker, text)
     assert worker.slo == {"chat": (12.0, 9.0), "batch": (3.0, 3.0)}
     assert worker.state.running == 2
+
+
+def test_the_supervisor_hands_the_policy_every_signal_the_router_reads(tmp_path):
+    from tandem.router.app import RouterMetrics
+    from tandem.router.autoscale import ScaleDecision
+    from tandem.router.supervisor import LocalSupervisor
+
+    class Seen:  # a policy that records what it is shown and keeps the fleet as it is
+        signals = None
+
+        def decide(self, now, s):
+            Seen.signals = s
+            return ScaleDecision(s.serving + s.starting, "steady")
+
+    read = FleetSignals(serving=2, queued=3, load=9, max_kv_usage=0.4, predicted_ttft=1.5,
+                        slo_attainment=0.7)  # fmt: skip
+    sup = LocalSupervisor("serve --port {port}", None, Seen(), RouterMetrics(), None, tmp_path,
+                          signals=lambda: read)  # fmt: skip
+    sup.step(0.0)
+    assert Seen.signals == read  # every field, the SLO attainment included (none starting)

@@ -53,7 +53,9 @@ def test_a_queue_starts_a_second_worker_and_its_end_drains_one_losing_no_request
         results: list[str] = []
 
         def stream(i: int) -> None:
-            body = {"prompt": f"story {i}", "max_tokens": 300, "ignore_eos": True, "stream": True}
+            # long enough that the queue outlasts the probes and the sustain on a loaded CI
+            # machine (300 tokens once ran out before the router saw it held)
+            body = {"prompt": f"story {i}", "max_tokens": 900, "ignore_eos": True, "stream": True}
             text = ""
             with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=120) as r:
                 for line in r.iter_lines():
