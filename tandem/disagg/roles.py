@@ -18,14 +18,7 @@ import time
 
 import httpx
 
-from tandem.router.pd_ratio import (
-    PDRatioConfig,
-    PDRatioPolicy,
-    PoolSignals,
-    decode_wait,
-    prefill_busy,
-    prefill_wait,
-)
+from tandem.router.pd_ratio import PDRatioConfig, PDRatioPolicy, PoolSignals, pool_signals
 
 log = logging.getLogger("tandem")
 
@@ -41,13 +34,11 @@ class RoleBalancer:
 
     def signals(self, now: float) -> tuple[PoolSignals, PoolSignals]:
         prefill, decode = self.pools["prefill"].healthy(), self.pools["decode"].healthy()
-        queued = sum(w.pending_prefill_tokens for w in prefill)
-        sent = self.proxy.prefill_sent.rate(now)
-        rows = sum(w.running for w in decode)
-        return (PoolSignals(len(prefill), prefill_wait(self.cost_model, len(prefill), queued),
-                            busy=prefill_busy(self.cost_model, len(prefill), sent)),
-                PoolSignals(len(decode), decode_wait(self.cost_model, len(decode), rows, 0),
-                            max((w.kv_usage for w in decode), default=0.0)))  # fmt: skip
+        return pool_signals(self.cost_model, len(prefill),
+                            sum(w.pending_prefill_tokens for w in prefill),
+                            self.proxy.prefill_sent.rate(now), len(decode),
+                            sum(w.running for w in decode), 0,
+                            max((w.kv_usage for w in decode), default=0.0))  # fmt: skip
 
     async def step(self, now: float) -> bool:
         """One look at the pools; True if an instance moved."""

@@ -107,6 +107,17 @@ def decode_wait(cost_model, instances: int, rows: int, kv_tokens: int) -> float:
     return cost_model.predict(StepShape(decode_rows=max(1, math.ceil(rows / n)), kv_tokens=kv_tokens // n))  # fmt: skip
 
 
+def pool_signals(cost_model, prefill: int, queued_tokens: int, tokens_per_second: float,
+                 decode: int, rows: int, kv_tokens: int, kv_usage: float) -> tuple[PoolSignals, PoolSignals]:  # fmt: skip
+    """Both pools' signals, priced by the cost model, from what the router (disagg/roles.py)
+    and the simulator (sim/roles.py) count: prefill instances, prompt tokens queued on them
+    and sent per second; decode instances, their running rows, context tokens (0 where
+    unknown) and fullest KV cache."""
+    return (PoolSignals(prefill, prefill_wait(cost_model, prefill, queued_tokens),
+                        busy=prefill_busy(cost_model, prefill, tokens_per_second)),
+            PoolSignals(decode, decode_wait(cost_model, decode, rows, kv_tokens), kv_usage))  # fmt: skip
+
+
 class PDRatioPolicy:
     def __init__(self, config: PDRatioConfig) -> None:
         config.check()

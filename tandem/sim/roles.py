@@ -18,9 +18,7 @@ from tandem.router.pd_ratio import (
     PDRatioPolicy,
     PoolSignals,
     RateWindow,
-    decode_wait,
-    prefill_busy,
-    prefill_wait,
+    pool_signals,
 )
 from tandem.sim.cluster import ClusterSpec
 from tandem.sim.simulator import Instance, Record, Simulation
@@ -61,13 +59,11 @@ class RoleSimulation(Simulation):
     def signals(self, now: float) -> tuple[PoolSignals, PoolSignals]:
         prefill = [i for i in self.instances if i.role == "prefill"]
         decode = [i for i in self.instances if i.role == "decode"]
-        queued = sum(self.pending[i.name] for i in prefill)
-        rows = sum(i.core.scheduler.num_running for i in decode)
-        kv_tokens = sum(int(i.core.scheduler.kv.usage * i.group.kv_tokens) for i in decode)
-        busy = prefill_busy(self.cost, len(prefill), self.sent.rate(now))
-        return (PoolSignals(len(prefill), prefill_wait(self.cost, len(prefill), queued), busy=busy),
-                PoolSignals(len(decode), decode_wait(self.cost, len(decode), rows, kv_tokens),
-                            max((i.core.scheduler.kv.usage for i in decode), default=0.0)))  # fmt: skip
+        return pool_signals(self.cost, len(prefill), sum(self.pending[i.name] for i in prefill),
+                            self.sent.rate(now), len(decode),
+                            sum(i.core.scheduler.num_running for i in decode),
+                            sum(int(i.core.scheduler.kv.usage * i.group.kv_tokens) for i in decode),
+                            max((i.core.scheduler.kv.usage for i in decode), default=0.0))  # fmt: skip
 
     def _tick(self, now: float) -> None:
         prefill, decode = self.signals(now)

@@ -312,12 +312,17 @@ class Simulation:
                            (out.request_id, out.new_token_ids[0]))  # fmt: skip
             elif out.finish_reason is not None:
                 record.error = out.error or "prefill failed"
+                self._prefilled(inst, record)  # done with it, if not well
         while inst.backlog and self._reserve(inst, *inst.backlog[0], now):
             inst.backlog.pop(0)
         self._touch(inst)
 
     def _prefilled(self, prefill: Instance, record: Record) -> None:
         """A prompt's prefill is done (sim/roles.py counts what each instance has queued)."""
+
+    def _tick(self, now: float) -> None:
+        """A policy's periodic look at the cluster, where a subclass pushes "tick" events
+        (sim/roles.py)."""
 
     def _kv_arrival(self, prefill: Instance, rid: str, start: float, end: float) -> float:
         record = self.records[rid]
