@@ -18,6 +18,8 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's spellings
 # GiB for the KV cache when no flag sets it: vLLM's VLLM_CPU_KVCACHE_SPACE, under our name.
 KV_CACHE_SPACE_ENV = "TANDEM_CPU_KVCACHE_SPACE"
 DEFAULT_KV_CACHE_GIB = 2.0
+# vLLM's switch for batch-invariant output, honoured as --batch-invariant
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 SCHEDULING_POLICIES = ("fcfs", "priority", "slo")
 QUANTIZATIONS = ("none", "gguf", "int8", "int4")
 ACTIVATION_QUANTIZATIONS = ("none", "int8")
@@ -71,6 +73,13 @@ class EngineConfig:
         "within a percent; greedy output leaves the bf16 path's sooner). CPUs with AVX512-BF16 "
         "and AVX512-VNNI, without AMX",
         choices=ACTIVATION_QUANTIZATIONS,
+    )
+    batch_invariant: bool = _flag(
+        False,
+        "a request's tokens and logprobs never depend on the other requests in its steps or on "
+        "where its prompt is cut into chunks: every token's row is computed by the same kernels "
+        f"in the same order whatever the batch (also on with ${BATCH_INVARIANT_ENV}=1, vLLM's "
+        "variable). Costs prefill time (docs/batch-invariance.md)",
     )
     bf16_weight_copy: bool = _flag(
         False,
@@ -488,3 +497,11 @@ def kv_cache_setting(config: EngineConfig) -> tuple[int | None, str]:
             raise ValueError(f"{KV_CACHE_SPACE_ENV} must be a number of GiB > 0, got {env!r}")
         return int(gib * 2**30), f"${KV_CACHE_SPACE_ENV}"
     return None, "default"
+
+
+def resolve_batch_invariant(config: EngineConfig) -> bool:
+    """--batch-invariant, or vLLM's VLLM_BATCH_INVARIANT=1 in the environment."""
+    env = os.environ.get(BATCH_INVARIANT_ENV, "0").strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"{BATCH_INVARIANT_ENV} must be 0 or 1, got {env!r}")
+    return config.batch_invariant or env == "1"

@@ -41,6 +41,9 @@ class LoRAManager:
                 setattr(parent, name, wrapped)
                 self.modules[(i, name)] = wrapped
         self.adapters: dict[int, AdapterWeights] = {}
+        # batch-invariant: every adapted token through the kernel, as it goes when few do
+        # (the grouped matmuls sum otherwise); set by the runner
+        self.per_token = False
         # adapter id -> slot, least recently used first
         self.slot_of: OrderedDict[int, int] = OrderedDict()
 
@@ -73,7 +76,9 @@ class LoRAManager:
         for lid in ids:
             idx = np.flatnonzero(token_lora_ids == lid)
             slot = self.slot_of[lid]
-            if len(idx) == num_tokens:  # the whole step runs this adapter
+            if self.per_token and self.kernel is not None:  # each token alike, however many
+                padded.append((slot, idx))
+            elif len(idx) == num_tokens:  # the whole step runs this adapter
                 groups.append((slot, None))
             elif len(idx) > GROUP_MIN_TOKENS:
                 groups.append((slot, self._tensor(idx)))

@@ -108,4 +108,5 @@ def _terms(p: Int4Linear):
         p.kernel_max_rows if _gemm(p) else sys.maxsize,  # past it: int4_gemm
         bias,
         p.int8_activations,
+        p.invariant_gemm,
     )

@@ -30,6 +30,7 @@ float32 model's activations are rounded to bf16 around each quantized matmul.
 from __future__ import annotations
 
 import functools
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -174,6 +175,10 @@ class QuantizedLinear(nn.Module, ABC):
         self.gemm = ""  # int4_gemm's path for the dense steps (Int4Linear): "amx", "dot" or none
         # int4_gemm's steps with x's rows quantized to int8 (use_int8_activations)
         self.int8_activations = False
+        # one kernel and one order of sums for a row whatever the step's other rows
+        # (use_rows_invariant): a request's tokens never depend on its neighbours
+        self.rows_invariant = False
+        self.invariant_gemm = False  # ... through int4_gemm's invariant path (Int4Linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The usual call (2-D bf16 activations, no bias) skips the reshapes and casts: at one
@@ -195,11 +200,25 @@ class QuantizedLinear(nn.Module, ABC):
     @property
     def kernel_max_rows(self) -> int:
         """Rows up to which this layer runs torch's kernel (then dequantize + dense)."""
+        if self.rows_invariant:  # int4_gemm's invariant path for every row, else torch's kernel
+            return 0 if self.invariant_gemm else sys.maxsize
         if self.dense_copy is not None:
             return self.COPY_KERNEL_MAX_ROWS
         if self.on_cuda:
             return self.CUDA_KERNEL_MAX_ROWS
         return self.GEMM_KERNEL_MAX_ROWS.get(self.gemm, self.KERNEL_MAX_ROWS)
+
+    def use_rows_invariant(self) -> None:
+        """Compute every step's rows by one kernel whose sums for a row run in one order, so a
+        row's output never depends on how many rows share its step: int4_gemm's few-row path
+        at any row count where it is built (AVX512-BF16), or int8 activations' (a row's own
+        quantization and integer sums); elsewhere torch's weight-only kernel, which computes
+        each row alike, for every row count (a prefill then pays its per-row dequantization)."""
+        self.rows_invariant = True
+        self.invariant_gemm = self._invariant_gemm()
+
+    def _invariant_gemm(self) -> bool:
+        return False
 
     def keep_dense_copy(self) -> None:
         """Hold W in bf16 too, prepacked for oneDNN once: a step past kernel_max_rows then
@@ -294,7 +313,7 @@ class Int4Linear(QuantizedLinear):
 
     @property
     def kernel_max_rows(self) -> int:
-        if len(self.terms) == 1:
+        if len(self.terms) == 1 or self.rows_invariant:
             return super().kernel_max_rows
         two_term = self.GEMM_TWO_TERM_KERNEL_MAX_ROWS.get(self.gemm, self.TWO_TERM_KERNEL_MAX_ROWS)
         return min(super().kernel_max_rows, two_term)
@@ -302,7 +321,16 @@ class Int4Linear(QuantizedLinear):
     @property
     def gemm_max_rows(self) -> int:
         """Rows up to which the dense steps go through int4_gemm (0: never)."""
+        if self.invariant_gemm:
+            return sys.maxsize
         return self.GEMM_MAX_ROWS[self.gemm] if self.gemm and self.dense_copy is None else 0
+
+    def _invariant_gemm(self) -> bool:
+        return (
+            bool(self.gemm)
+            and self.dense_copy is None
+            and kernels.dequant().rows_invariant_here()
+        )
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.gemm_max_rows:
@@ -310,7 +338,9 @@ class Int4Linear(QuantizedLinear):
         out = x.new_empty(x.shape[0], self.out_features)
         packed, scales_zeros = [t.packed for t in self.terms], [t.scales_zeros for t in self.terms]
         group = self.terms[0].group
-        kernels.dequant().int4_gemm(out, x, packed, scales_zeros, group, self.int8_activations)
+        kernels.dequant().int4_gemm(
+            out, x, packed, scales_zeros, group, self.int8_activations, self.invariant_gemm
+        )
         return out
 
     def use_int8_activations(self) -> bool:

@@ -270,6 +270,15 @@ def use_int8_activations(model) -> int:
     return count
 
 
+def use_rows_invariant(model) -> int:
+    """QuantizedLinear.use_rows_invariant on every quantized layer (call after
+    use_int8_activations: int8 activations keep their own invariant path); -> how many."""
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    for layer in layers:
+        layer.use_rows_invariant()
+    return len(layers)
+
+
 def check_device(method: str, device: torch.device) -> None:
     """Quantized weights run on the CPU (torch's weight-only kernels and the C++ dense paths)
     or on CUDA (torch's int4 kernel, tinygemm, for few rows, and bf16 matmuls on weights

@@ -23,7 +23,12 @@ from tandem.core.model_config import ModelConfig
 from tandem.distributed.driver import Driver
 from tandem.distributed.layout import ParallelLayout, check_splits
 from tandem.distributed.sharding import RankShard
-from tandem.engine.config import DEFAULT_KV_CACHE_GIB, kv_cache_setting, step_token_budget
+from tandem.engine.config import (
+    DEFAULT_KV_CACHE_GIB,
+    kv_cache_setting,
+    resolve_batch_invariant,
+    step_token_budget,
+)
 from tandem.model import kernels
 from tandem.model.kv_quant import SCALE_BYTES, storage_dtype
 from tandem.model.loader import gguf_file, load_model, resolve_model
@@ -34,6 +39,7 @@ from tandem.model.quantize import (
     keep_bf16_copies,
     quantize_model,
     use_int8_activations,
+    use_rows_invariant,
 )
 from tandem.runner.model_runner import ModelRunner
 
@@ -112,6 +118,10 @@ def _build(config, path, mcfg, method, gguf, dtype, device, max_model_len, shard
         weights += " + bf16 copy"
     if config.activation_quantization == "int8":
         weights += f", int8 activations ({use_int8_activations(model)} layers)"
+    batch_invariant = resolve_batch_invariant(config)
+    if batch_invariant:
+        use_rows_invariant(model)
+        weights += ", batch-invariant"
     kv_dtype = storage_dtype(config.kv_cache_dtype, dtype)
     scale_bytes = 0 if config.kv_cache_dtype == "auto" else SCALE_BYTES
     # every rank sizes its pool for the stage with the most layers: the same block count
@@ -127,7 +137,7 @@ def _build(config, path, mcfg, method, gguf, dtype, device, max_model_len, shard
     runner_cfg = dataclasses.replace(model_cfg, vocab_size=mcfg.vocab_size)
     runner = ModelRunner(
         model, runner_cfg, num_blocks, config.block_size, dtype, device, config.seed,
-        config.kv_cache_dtype,
+        config.kv_cache_dtype, batch_invariant,
     )  # fmt: skip
     budget = step_token_budget(config, runner.chunks_in_place)
     return LoadedRunner(runner, path, mcfg, max_model_len, budget, num_blocks, dtype, device,

@@ -35,8 +35,13 @@ class StepInputs:
 
 
 def prepare_inputs(
-    scheduled: list[ScheduledRequest], block_size: int, device: torch.device
+    scheduled: list[ScheduledRequest],
+    block_size: int,
+    device: torch.device,
+    one_query_rows: bool = False,
 ) -> StepInputs:
+    """one_query_rows (batch-invariant steps): every token is a row of its own for attention,
+    one group of single queries, each seeing its own keys through its request's blocks."""
     rows = sorted(scheduled, key=_bucket)  # stable: plan order within a bucket
     starts = np.array([s.start for s in rows], dtype=np.int64)
     lens = np.array([s.num_new_tokens for s in rows], dtype=np.int64)
@@ -57,13 +62,12 @@ def prepare_inputs(
     row_of_token = np.repeat(np.arange(len(rows)), lens)
     slots = tables[row_of_token, positions // block_size] * block_size + positions % block_size
 
-    groups, first = [], 0
-    for i in range(1, len(rows) + 1):
-        if i == len(rows) or _bucket(rows[i]) != _bucket(rows[first]):
-            tokens = slice(int(ends[first - 1]) if first else 0, int(ends[i - 1]))
-            g = slice(first, i)
-            groups.append(_group(tokens, starts[g], lens[g], tables[g], block_size, device))
-            first = i
+    if one_query_rows and not decode_only:  # each token a decode-like row
+        ones = np.ones_like(positions)
+        groups = [_group(slice(0, len(positions)), positions, ones, tables[row_of_token],
+                         block_size, device)]  # fmt: skip
+    else:
+        groups = _bucket_groups(rows, starts, lens, ends, tables, block_size, device)
 
     lora_ids = [s.request.lora_id for s in rows]
     token_lora_ids = np.repeat(np.array(lora_ids), lens) if any(lora_ids) else None
@@ -82,6 +86,18 @@ def prepare_inputs(
         sample_rows=[s for s, f in zip(rows, sample_flags) if f],
         token_lora_ids=token_lora_ids,
     )
+
+
+def _bucket_groups(rows, starts, lens, ends, tables, block_size, device) -> list[AttentionGroup]:
+    """One attention group per run of rows in the same bucket (rows are sorted by it)."""
+    groups, first = [], 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or _bucket(rows[i]) != _bucket(rows[first]):
+            tokens = slice(int(ends[first - 1]) if first else 0, int(ends[i - 1]))
+            g = slice(first, i)
+            groups.append(_group(tokens, starts[g], lens[g], tables[g], block_size, device))
+            first = i
+    return groups
 
 
 def _bucket(s: ScheduledRequest) -> tuple[int, int]:

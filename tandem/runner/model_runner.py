@@ -67,6 +67,7 @@ class ModelRunner:
         device,
         seed: int,
         kv_cache_dtype: str = "auto",
+        batch_invariant: bool = False,
     ) -> None:
         self.model, self.cfg, self.block_size, self.device = model, cfg, block_size, device
         self.dtype = dtype
@@ -117,8 +118,21 @@ class ModelRunner:
             attn.attend, attn.decode_kernel = attend, decode_kernel
             # chunks with no cached context skip the gather and the mask's masked-away half
             # where SDPA runs them (an 8-bit cache: read back as the other chunks are)
-            if attend is sdpa_attention and prefill_kernel is None and self.kv_scales is None:
+            # (not batch-invariant: a lone token at position 0 then reads the cache as others)
+            if (attend is sdpa_attention and prefill_kernel is None and self.kv_scales is None
+                    and not batch_invariant):  # fmt: skip
                 attn.fresh_attend = causal_sdpa
+        # Batch-invariant (engine/config.py): every token a row of its own for attention, so
+        # each query is computed by the decode kernel over its own keys, in one order, whether
+        # it comes in a prompt's chunk, a decode, a draft's verification or beside other rows
+        # (the chunk kernels' sums and roundings run otherwise); the projections are made
+        # row-invariant before this (quantize.use_rows_invariant).
+        self.one_query_rows = batch_invariant
+        if batch_invariant and decode_kernel is None:
+            raise ValueError(
+                "batch_invariant: needs the C++ decode attention kernel (the CPU, a head_dim "
+                f"that is a multiple of {kernels.vec_lanes()})"
+            )
         # Decode-only steps of int4 models run their layers in one C++ call (None: no fit).
         model.model.decode_stack = build_decode_stack(model, fused)
         self.sampler = Sampler(seed, device)
@@ -176,6 +190,10 @@ class ModelRunner:
 
         dtype = self.kv_cache.dtype
         self.lora = LoRAManager(self.model, self.cfg, max_loras, max_rank, dtype, self.device)
+        if self.one_query_rows:
+            if self.lora.kernel is None:
+                raise ValueError("batch_invariant with LoRA: needs the C++ LoRA kernel (CPU)")
+            self.lora.per_token = True
         self.model.model.decode_stack = None  # each token's LoRA update runs in the layers
 
     def read_lora(self, path: str):
@@ -244,7 +262,7 @@ class ModelRunner:
             return RunnerOutput()
         if self.distributed is not None:
             self.distributed.send_step(plan, self.block_size)
-        inputs = prepare_inputs(plan.scheduled, self.block_size, self.device)
+        inputs = prepare_inputs(plan.scheduled, self.block_size, self.device, self.one_query_rows)
         inputs.attn.on_layer_written = self.on_layer_written
         # the grammar masks fill on a worker thread while the forward pass runs
         masks = self.masks.start(inputs.sample_rows) if self.masks is not None else None

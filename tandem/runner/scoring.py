@@ -37,8 +37,9 @@ def token_logprobs(core, tokens: list[int], chunk: int = 256) -> list[float]:
         for start in range(0, len(tokens) - 1, chunk):
             n = min(chunk, len(tokens) - 1 - start)
             inputs = prepare_inputs(
-                [ScheduledRequest(request, start, n, False)], runner.block_size, runner.device
-            )
+                [ScheduledRequest(request, start, n, False)], runner.block_size, runner.device,
+                runner.one_query_rows,
+            )  # fmt: skip
             with forward_context(inputs.attn):
                 hidden = runner.model(inputs.input_ids, inputs.positions)  # [n, hidden]
                 logits = runner.model.compute_logits(hidden).float()

@@ -517,6 +517,64 @@ void gemv(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* ps,
   }
   TORCH_CHECK(false, "gemv: ", m, " rows of ", terms, " terms, past kGemvRows");
 }
+
+// gemv_block for a pass of R rows, its V as gemv_terms picks it.
+template <int terms, int R>
+inline void gemv_pass(float* acc, const at::BFloat16* x, const float* xsum,
+                      const uint8_t* const* ps, const at::BFloat16* const* szs, int64_t n,
+                      int64_t k, int64_t group, int64_t b, __m512i index, __m512i table) {
+  gemv_block<terms, R, (terms * R * 4 <= 16 ? 4 : 2)>(acc, x, xsum, ps, szs, n, k, group, b, index,
+                                                      table);
+}
+
+// x W^T for any number of rows with each row's sums in gemv_block's order, whatever the rows
+// beside it (rows_invariant): a row's products are summed per group in column order, then
+// scaled, the same instructions on the same numbers in a pass of 1 row or of 8, so a row
+// gets the same bits alone, in a batch of 16 or in a prompt of 512. Each 64-row block of W
+// takes every pass of rows while its bytes are in L1. (The other paths sum in other orders
+// by row count: the block buffer's dequantized bf16 weights past kGemvRows, 6 rows a pass.)
+template <int terms>
+void gemv_invariant(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* ps,
+                    const at::BFloat16* const* szs, int64_t m, int64_t n, int64_t n_out,
+                    int64_t k, int64_t group) {
+  constexpr int64_t R = kGemvRows[terms];
+  const int64_t groups = k / group, blocks = (n_out + 63) / 64;
+  float* xsum = reinterpret_cast<float*>(thread_bytes<3>(m * groups * sizeof(float)));
+  for (int64_t r = 0; r < m; ++r)  // (gemv_terms' loop, row by row)
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.f;
+      for (int64_t c = g * group; c < (g + 1) * group; ++c) sum += static_cast<float>(x[r * k + c]);
+      xsum[r * groups + g] = sum;
+    }
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    const __m512i index = gemv_index(), table = nibble_bf16_table();
+    alignas(64) float acc[R * 64];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t cols = std::min<int64_t>(64, n_out - b * 64);
+      for (int64_t m0 = 0; m0 < m; m0 += R) {
+        const int64_t rows = std::min(R, m - m0);
+        const at::BFloat16* xr = x + m0 * k;
+        const float* sr = xsum + m0 * groups;
+        if constexpr (terms == 2) {
+          if (rows == 1) gemv_pass<2, 1>(acc, xr, sr, ps, szs, n, k, group, b, index, table);
+          else gemv_pass<2, 2>(acc, xr, sr, ps, szs, n, k, group, b, index, table);
+        } else {
+          switch (rows) {
+            case 1: gemv_pass<1, 1>(acc, xr, sr, ps, szs, n, k, group, b, index, table); break;
+            case 2: gemv_pass<1, 2>(acc, xr, sr, ps, szs, n, k, group, b, index, table); break;
+            case 3: gemv_pass<1, 3>(acc, xr, sr, ps, szs, n, k, group, b, index, table); break;
+            case 4: gemv_pass<1, 4>(acc, xr, sr, ps, szs, n, k, group, b, index, table); break;
+            case 5: gemv_pass<1, 5>(acc, xr, sr, ps, szs, n, k, group, b, index, table); break;
+            case 6: gemv_pass<1, 6>(acc, xr, sr, ps, szs, n, k, group, b, index, table); break;
+            case 7: gemv_pass<1, 7>(acc, xr, sr, ps, szs, n, k, group, b, index, table); break;
+            default: gemv_pass<1, 8>(acc, xr, sr, ps, szs, n, k, group, b, index, table); break;
+          }
+        }
+        store_rows(out + m0 * n_out, n_out, b * 64, cols, acc, rows);
+      }
+    }
+  });
+}
 #endif
 
 // x W^T a block at a time: each 64-row block of W dequantized into this thread's buffer (in
@@ -918,6 +976,16 @@ int64_t gemv_rows(int64_t terms) {
 #endif
 }
 
+// Whether int4_gemm takes rows_invariant here: its few-row path is built (AVX512-BF16 and
+// VBMI), which on AMX CPUs then runs every step instead of the tiles.
+bool rows_invariant_here() {
+#ifdef TANDEM_DOT_GEMM
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Whether int4_gemm takes int8_activations here: the dot path, on a CPU with AVX512-VNNI.
 // (With AMX its bf16 tiles are the faster path; without AVX512-BF16 there is no int4_gemm.)
 bool int8_activations_here() {
@@ -930,7 +998,7 @@ bool int8_activations_here() {
 
 void int4_gemm(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tensor>& packed,
                const std::vector<at::Tensor>& scales_zeros, int64_t group,
-               bool int8_activations = false) {
+               bool int8_activations = false, bool rows_invariant = false) {
   const std::string path = gemm_path();
   TORCH_CHECK(!path.empty(), "int4_gemm needs AMX or AVX512-BF16 (gemm_path() is empty here)");
   const Terms w = checked_terms(packed, scales_zeros, group);
@@ -945,10 +1013,18 @@ void int4_gemm(at::Tensor& out, const at::Tensor& x, const std::vector<at::Tenso
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   at::BFloat16* o = out.data_ptr<at::BFloat16>();
   const bool dot = path == "dot";
+  TORCH_CHECK(!rows_invariant || rows_invariant_here(), "rows_invariant needs AVX512-BF16 and VBMI");
 #ifdef TANDEM_DOT_GEMM
+  // rows_invariant: one order of sums for a row whatever the step's rows (int8 activations
+  // have it on their own path: a row's quantization and int32 sums are its own)
+  if (rows_invariant && !int8_activations) {
+    if (w.count == 1) gemv_invariant<1>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group);
+    else gemv_invariant<2>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group);
+    return;
+  }
   // (int8 activations too: at these rows the bytes' conversion, not the multiplies, is the
   // cost, and bf16 activations lose nothing)
-  if (dot && m <= kGemvRows[w.count]) {
+  if (dot && m <= kGemvRows[w.count] && !rows_invariant) {
     if (w.count == 1) gemv<1>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group);
     else gemv<2>(o, xp, w.ps, w.szs, m, w.n, n_out, w.k, group);
     return;
@@ -983,7 +1059,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemm_path", &gemm_path, "which int4_gemm runs here: amx, dot, or none ('')");
   m.def("int4_gemm", &int4_gemm, "x W^T for int4 (torch CPU layout) W, into out: AMX or AVX512-BF16",
         py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("scales_zeros"), py::arg("group"),
-        py::arg("int8_activations") = false);
+        py::arg("int8_activations") = false, py::arg("rows_invariant") = false);
+  m.def("rows_invariant_here", &rows_invariant_here,
+        "whether int4_gemm takes rows_invariant here (AVX512-BF16, AMX or not)");
   m.def("gemv_rows", &gemv_rows, "rows up to which int4_gemm reads W's packed bytes directly");
   m.def("int8_activations_here", &int8_activations_here,
         "whether int4_gemm takes int8_activations here (AVX512-VNNI, the dot path)");

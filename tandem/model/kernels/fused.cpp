@@ -583,13 +583,14 @@ struct Int4Projection {
   int64_t group = 0, out_features = 0, kernel_max_rows = 0;
   std::optional<at::Tensor> bias;
   bool int8_activations = false;
+  bool rows_invariant = false;  // int4_gemm's: a row's sums in one order whatever the rows
 
   at::Tensor operator()(const at::Tensor& x) const {
     const at::Tensor xb = x.scalar_type() == at::kBFloat16 ? x : x.to(at::kBFloat16);
     at::Tensor y;
     if (xb.size(0) > kernel_max_rows) {
       y = at::empty({xb.size(0), out_features}, xb.options());
-      int4_gemm(y, xb.contiguous(), packed, scales_zeros, group, int8_activations);
+      int4_gemm(y, xb.contiguous(), packed, scales_zeros, group, int8_activations, rows_invariant);
     } else {
       y = at::_weight_int4pack_mm_for_cpu(xb, packed[0], group, scales_zeros[0]);
       for (size_t t = 1; t < packed.size(); ++t)
@@ -617,15 +618,16 @@ class DecodeStack {
         lanes_(sum_lanes), final_norm_(std::move(final_norm)) {}
 
   // Each projection: (packed terms, scales_zeros terms, group, out_features, kernel_max_rows,
-  // bias or None, int8_activations).
+  // bias or None, int8_activations, rows_invariant).
   using Proj = std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t,
-                          int64_t, std::optional<at::Tensor>, bool>;
+                          int64_t, std::optional<at::Tensor>, bool, bool>;
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, const Proj& qkv, const Proj& o,
                  const Proj& gate_up, const Proj& down, at::Tensor k_cache, at::Tensor v_cache,
                  std::optional<at::Tensor> k_scales, std::optional<at::Tensor> v_scales) {
     auto proj = [](const Proj& p) {
       return Int4Projection{std::get<0>(p), std::get<1>(p), std::get<2>(p), std::get<3>(p),
-                            std::get<4>(p), std::get<5>(p), std::get<6>(p)};
+                            std::get<4>(p), std::get<5>(p), std::get<6>(p),
+                            std::get<7>(p)};
     };
     layers_.push_back({std::move(input_norm), std::move(post_norm), proj(qkv), proj(o),
                        proj(gate_up), proj(down), std::move(k_cache), std::move(v_cache),
