@@ -327,9 +327,7 @@ class Int4Linear(QuantizedLinear):
 
     def _invariant_gemm(self) -> bool:
         return (
-            bool(self.gemm)
-            and self.dense_copy is None
-            and kernels.dequant().rows_invariant_here()
+            bool(self.gemm) and self.dense_copy is None and kernels.dequant().rows_invariant_here()
         )
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:

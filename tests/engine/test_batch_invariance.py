@@ -105,6 +105,19 @@ def test_speculative_decoding_gives_the_tokens_and_logprobs_of_plain_decoding(ch
     assert outs[False] == outs[True]
 
 
+def test_a_seeded_sampled_request_draws_the_same_tokens_in_any_batch(checkpoints):
+    """Sampling reads invariant logits and, with a seed, the request's own generator."""
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=11, max_tokens=16,
+                            logprobs=0)  # fmt: skip
+    got = []
+    for chunk, size in ((512, 1), (8, 16)):
+        llm = LLM(str(checkpoints["llama"]), batch_invariant=True, dtype="bfloat16",
+                  kv_cache_memory=0.01, max_num_batched_tokens=chunk)  # fmt: skip
+        prompts, at = batch_with_target(size)
+        got.append(tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False)[at]))
+    assert got[0] == got[1]
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 16, 33, 200, 513])
 @pytest.mark.parametrize("layer", ["int4", "two int4 terms", "int4 + int8 activations", "int8"])
 def test_a_quantized_layer_computes_a_row_alike_at_every_row_count(layer, m):
@@ -145,7 +158,9 @@ def test_vllms_environment_variable_turns_it_on_and_a_bad_value_is_named(monkeyp
 def test_the_default_models_replies_alone_equal_its_replies_in_a_batch_of_16(activations):
     """The case that showed it: the bundled model's greedy replies to 8 chat prompts, each
     alone and then inside a batch of 16, in its default dtype (7 of 8 differed without)."""
-    if activations == "int8" and not (kernels.dequant() and kernels.dequant().int8_activations_here()):
+    if activations == "int8" and not (
+        kernels.dequant() and kernels.dequant().int8_activations_here()
+    ):
         pytest.skip("int8 activations need AVX512-VNNI and the dot path (no AMX)")
     llm = LLM(batch_invariant=True, activation_quantization=activations, kv_cache_memory=0.25,
               max_model_len=512)  # fmt: skip

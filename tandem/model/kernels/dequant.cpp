@@ -425,10 +425,14 @@ constexpr int kNibbleShift[4] = {0, 8, 4, 12};
 // buffer between them, cost more than the multiplies), and no bf16 rounding of W enters. V of
 // the block's 4 vectors of 16 rows a pass over it: all 4 while the sums fit in registers
 // (terms * R * 4 <= 16), else 2 (the bytes permuted again for the second pass, from L1).
+//
+// With `words` (gemv_widen's buffer of the block) the bf16 integers are read from there instead
+// of converted again: the same numbers in the same sums, for a block that many passes of rows
+// multiply.
 template <int terms, int R, int V>
 void gemv_block(float* acc, const at::BFloat16* x, const float* xsum, const uint8_t* const* ps,
                 const at::BFloat16* const* szs, int64_t n, int64_t k, int64_t group, int64_t b,
-                __m512i index, __m512i table) {
+                __m512i index, __m512i table, const __m512i* words = nullptr) {
   for (int i = 0; i < R * 64; ++i) acc[i] = 0.f;
   const int64_t groups = k / group;
   for (int64_t g = 0; g < groups; ++g) {
@@ -446,12 +450,20 @@ void gemv_block(float* acc, const at::BFloat16* x, const float* xsum, const uint
           xr[r] = (__m512bh)_mm512_set1_epi32(pair);
         }
         for (int t = 0; t < terms; ++t) {
+          if (words) {
+            const __m512i* wt = words + (t * (k / 2) + c / 2) * 4 + v0;
+            for (int v = 0; v < V; ++v) {
+              const __m512bh w = (__m512bh)_mm512_load_si512(wt + v);
+              for (int r = 0; r < R; ++r) d[t][r][v] = _mm512_dpbf16_ps(d[t][r][v], xr[r], w);
+            }
+            continue;
+          }
           const uint8_t* src = ps[t] + (b * k + c) * 32;
           if (v0 == 0) __builtin_prefetch(src + kPrefetchBytes);
-          const __m512i words = _mm512_permutexvar_epi8(index, _mm512_loadu_si512(src));
+          const __m512i bytes = _mm512_permutexvar_epi8(index, _mm512_loadu_si512(src));
           for (int v = 0; v < V; ++v) {
             const int shift = kNibbleShift[v0 + v];
-            const __m512i nibbles = shift ? _mm512_srli_epi16(words, shift) : words;
+            const __m512i nibbles = shift ? _mm512_srli_epi16(bytes, shift) : bytes;
             const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(nibbles, table);
             for (int r = 0; r < R; ++r) d[t][r][v] = _mm512_dpbf16_ps(d[t][r][v], xr[r], w);
           }
@@ -470,6 +482,25 @@ void gemv_block(float* acc, const at::BFloat16* x, const float* xsum, const uint
       }
     }
   }
+}
+
+// Block b's integers q as bf16, as gemv_block converts them: [terms][k / 2 column pairs][4
+// vectors of 16 rows], each vector 16 lanes of two columns' bf16 (vdpbf16ps's pairs).
+template <int terms>
+void gemv_widen(__m512i* words, const uint8_t* const* ps, int64_t k, int64_t b, __m512i index,
+                __m512i table) {
+  for (int t = 0; t < terms; ++t)
+    for (int64_t c = 0; c < k; c += 2) {
+      const uint8_t* src = ps[t] + (b * k + c) * 32;
+      __builtin_prefetch(src + kPrefetchBytes);
+      const __m512i bytes = _mm512_permutexvar_epi8(index, _mm512_loadu_si512(src));
+      __m512i* dst = words + (t * (k / 2) + c / 2) * 4;
+      for (int v = 0; v < 4; ++v) {
+        const int shift = kNibbleShift[v];
+        const __m512i nibbles = shift ? _mm512_srli_epi16(bytes, shift) : bytes;
+        _mm512_store_si512(dst + v, _mm512_permutexvar_epi16(nibbles, table));
+      }
+    }
 }
 
 // x W^T for m <= kGemvRows[terms] rows, a block at a time (gemv_block), the blocks split
@@ -522,9 +553,10 @@ void gemv(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* ps,
 template <int terms, int R>
 inline void gemv_pass(float* acc, const at::BFloat16* x, const float* xsum,
                       const uint8_t* const* ps, const at::BFloat16* const* szs, int64_t n,
-                      int64_t k, int64_t group, int64_t b, __m512i index, __m512i table) {
+                      int64_t k, int64_t group, int64_t b, __m512i index, __m512i table,
+                      const __m512i* words) {
   gemv_block<terms, R, (terms * R * 4 <= 16 ? 4 : 2)>(acc, x, xsum, ps, szs, n, k, group, b, index,
-                                                      table);
+                                                      table, words);
 }
 
 // x W^T for any number of rows with each row's sums in gemv_block's order, whatever the rows
@@ -533,6 +565,9 @@ inline void gemv_pass(float* acc, const at::BFloat16* x, const float* xsum,
 // gets the same bits alone, in a batch of 16 or in a prompt of 512. Each 64-row block of W
 // takes every pass of rows while its bytes are in L1. (The other paths sum in other orders
 // by row count: the block buffer's dequantized bf16 weights past kGemvRows, 6 rows a pass.)
+// Rows a pass over a widened block (all 4 vectors at once: 6 rows' 24 sums in registers).
+constexpr int64_t kWideRows[3] = {0, 6, 2};
+
 template <int terms>
 void gemv_invariant(at::BFloat16* out, const at::BFloat16* x, const uint8_t* const* ps,
                     const at::BFloat16* const* szs, int64_t m, int64_t n, int64_t n_out,
@@ -549,25 +584,42 @@ void gemv_invariant(at::BFloat16* out, const at::BFloat16* x, const uint8_t* con
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     const __m512i index = gemv_index(), table = nibble_bf16_table();
     alignas(64) float acc[R * 64];
+    // past one pass, the block's integers widened once for all its passes
+    __m512i* words = m > R ? reinterpret_cast<__m512i*>(thread_bytes<0>(terms * k * 128)) : nullptr;
     for (int64_t b = begin; b < end; ++b) {
       const int64_t cols = std::min<int64_t>(64, n_out - b * 64);
-      for (int64_t m0 = 0; m0 < m; m0 += R) {
-        const int64_t rows = std::min(R, m - m0);
+      if (words) gemv_widen<terms>(words, ps, k, b, index, table);
+      for (int64_t m0 = 0; m0 < m; m0 += words ? kWideRows[terms] : R) {
+        const int64_t rows = std::min(words ? kWideRows[terms] : R, m - m0);
         const at::BFloat16* xr = x + m0 * k;
         const float* sr = xsum + m0 * groups;
-        if constexpr (terms == 2) {
-          if (rows == 1) gemv_pass<2, 1>(acc, xr, sr, ps, szs, n, k, group, b, index, table);
-          else gemv_pass<2, 2>(acc, xr, sr, ps, szs, n, k, group, b, index, table);
+        if (words) {  // all 4 vectors of the block a pass: a row's x broadcast once per pair
+          if constexpr (terms == 2) {
+            if (rows == 1) gemv_block<2, 1, 4>(acc, xr, sr, ps, szs, n, k, group, b, index, table, words);
+            else gemv_block<2, 2, 4>(acc, xr, sr, ps, szs, n, k, group, b, index, table, words);
+          } else {
+            switch (rows) {
+              case 1: gemv_block<1, 1, 4>(acc, xr, sr, ps, szs, n, k, group, b, index, table, words); break;
+              case 2: gemv_block<1, 2, 4>(acc, xr, sr, ps, szs, n, k, group, b, index, table, words); break;
+              case 3: gemv_block<1, 3, 4>(acc, xr, sr, ps, szs, n, k, group, b, index, table, words); break;
+              case 4: gemv_block<1, 4, 4>(acc, xr, sr, ps, szs, n, k, group, b, index, table, words); break;
+              case 5: gemv_block<1, 5, 4>(acc, xr, sr, ps, szs, n, k, group, b, index, table, words); break;
+              default: gemv_block<1, 6, 4>(acc, xr, sr, ps, szs, n, k, group, b, index, table, words); break;
+            }
+          }
+        } else if constexpr (terms == 2) {
+          if (rows == 1) gemv_pass<2, 1>(acc, xr, sr, ps, szs, n, k, group, b, index, table, nullptr);
+          else gemv_pass<2, 2>(acc, xr, sr, ps, szs, n, k, group, b, index, table, nullptr);
         } else {
           switch (rows) {
-            case 1: gemv_pass<1, 1>(acc, xr, sr, ps, szs, n, k, group, b, index, table); break;
-            case 2: gemv_pass<1, 2>(acc, xr, sr, ps, szs, n, k, group, b, index, table); break;
-            case 3: gemv_pass<1, 3>(acc, xr, sr, ps, szs, n, k, group, b, index, table); break;
-            case 4: gemv_pass<1, 4>(acc, xr, sr, ps, szs, n, k, group, b, index, table); break;
-            case 5: gemv_pass<1, 5>(acc, xr, sr, ps, szs, n, k, group, b, index, table); break;
-            case 6: gemv_pass<1, 6>(acc, xr, sr, ps, szs, n, k, group, b, index, table); break;
-            case 7: gemv_pass<1, 7>(acc, xr, sr, ps, szs, n, k, group, b, index, table); break;
-            default: gemv_pass<1, 8>(acc, xr, sr, ps, szs, n, k, group, b, index, table); break;
+            case 1: gemv_pass<1, 1>(acc, xr, sr, ps, szs, n, k, group, b, index, table, nullptr); break;
+            case 2: gemv_pass<1, 2>(acc, xr, sr, ps, szs, n, k, group, b, index, table, nullptr); break;
+            case 3: gemv_pass<1, 3>(acc, xr, sr, ps, szs, n, k, group, b, index, table, nullptr); break;
+            case 4: gemv_pass<1, 4>(acc, xr, sr, ps, szs, n, k, group, b, index, table, nullptr); break;
+            case 5: gemv_pass<1, 5>(acc, xr, sr, ps, szs, n, k, group, b, index, table, nullptr); break;
+            case 6: gemv_pass<1, 6>(acc, xr, sr, ps, szs, n, k, group, b, index, table, nullptr); break;
+            case 7: gemv_pass<1, 7>(acc, xr, sr, ps, szs, n, k, group, b, index, table, nullptr); break;
+            default: gemv_pass<1, 8>(acc, xr, sr, ps, szs, n, k, group, b, index, table, nullptr); break;
           }
         }
         store_rows(out + m0 * n_out, n_out, b * 64, cols, acc, rows);
