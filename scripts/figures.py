@@ -41,6 +41,7 @@ ROWS = {
     "tp-decode": "`-tp 2` vs the whole model on both cores, 32 running: decode tok/s",
     "moe-layer": "MoE layer vs transformers' expert loop, OLMoE-1B-7B's shape, 16 / 256 tokens, fp32: time",
     "moe-vllm-c16": "A small Qwen3-MoE served vs vLLM's CPU build, random 256/128, 16 concurrent: output tok/s",
+    "batch-invariant-c16": "`--batch-invariant` vs the default, random 256/128, 16 at once (offline): output tok/s",
     "moe-ep": "`-tp 2 --enable-expert-parallel` vs the whole MoE model on both cores, 32 running: decode tok/s",
 }
 # CPU kinds as columns, in this order (others after them, by name).
