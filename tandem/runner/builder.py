@@ -34,10 +34,10 @@ from tandem.model.kv_quant import SCALE_BYTES, storage_dtype
 from tandem.model.loader import gguf_file, load_model, resolve_model
 from tandem.model.quant import Int4Linear, QuantizedLinear
 from tandem.model.quantize import (
-    check_activation_quantization,
     check_device,
     keep_bf16_copies,
     quantize_model,
+    resolve_activation_quantization,
     use_int8_activations,
     use_rows_invariant,
 )
@@ -76,7 +76,7 @@ def build_model_runner(config, rank: int = 0, ranks=None) -> LoadedRunner:
     gguf = gguf_file(config.model)
     method = quantization_method(config.quantization, gguf)
     check_device(method, device)
-    check_activation_quantization(config.activation_quantization, method, device)
+    resolve_activation_quantization(config.activation_quantization, method, device)  # refusals
     path = resolve_model(config.model)
     mcfg = ModelConfig.from_folder(path)
     max_model_len = resolve_max_model_len(mcfg, config.max_model_len)
@@ -109,6 +109,7 @@ def _build(config, path, mcfg, method, gguf, dtype, device, max_model_len, shard
     """The model runner of one rank (the whole model where shard is None)."""
     model_cfg = mcfg if shard is None else shard.model_config()
     torch.manual_seed(config.seed)
+    activations = resolve_activation_quantization(config.activation_quantization, method, device)
     model = load_model(path, model_cfg, dtype, device, max_model_len, shard)
     weights = quantize_model(model, method, config.quantization_group_size, gguf, shard)
     if config.bf16_weight_copy:
@@ -116,8 +117,10 @@ def _build(config, path, mcfg, method, gguf, dtype, device, max_model_len, shard
             raise ValueError("bf16_weight_copy: the weights are not quantized (quantization none)")
         keep_bf16_copies(model)
         weights += " + bf16 copy"
-    if config.activation_quantization == "int8":
-        weights += f", int8 activations ({use_int8_activations(model)} layers)"
+    if activations == "int8":
+        required = config.activation_quantization == "int8"
+        if count := use_int8_activations(model, required):
+            weights += f", int8 activations ({count} layers)"
     batch_invariant = resolve_batch_invariant(config)
     if batch_invariant:
         use_rows_invariant(model)

@@ -20,10 +20,20 @@ from tandem.model.attention import forward_context
 from tandem.runner.input_batch import prepare_inputs
 
 
-@torch.inference_mode()
 def token_logprobs(core, tokens: list[int], chunk: int = 256) -> list[float]:
     """logprob of tokens[i + 1] after tokens[: i + 1], for every i, in `chunk`-token steps.
     `core` is an idle EngineCore: its KV manager lends the blocks and gets them back."""
+    out: list[float] = []
+    for targets, logprobs in chunk_distributions(core, tokens, chunk):
+        out += logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    return out
+
+
+@torch.inference_mode()
+def chunk_distributions(core, tokens: list[int], chunk: int = 256):
+    """For each `chunk`-token step over `tokens`: (the next tokens [n], the model's log
+    distribution over the vocabulary after each, float32 [n, vocab]), as token_logprobs
+    reads them; benchmarks compare two paths' distributions with it (KL divergence)."""
     if len(tokens) < 2:
         raise ValueError(f"tokens: need at least 2 to score, got {len(tokens)}")
     if chunk < 1:
@@ -32,7 +42,6 @@ def token_logprobs(core, tokens: list[int], chunk: int = 256) -> list[float]:
     request = Request("score", list(tokens), SamplingParams(max_tokens=1))
     if not kv.allocate_slots(request, len(tokens), publish=False):
         raise ValueError(f"tokens: {len(tokens)} tokens do not fit the KV cache")
-    out: list[float] = []
     try:
         for start in range(0, len(tokens) - 1, chunk):
             n = min(chunk, len(tokens) - 1 - start)
@@ -44,11 +53,9 @@ def token_logprobs(core, tokens: list[int], chunk: int = 256) -> list[float]:
                 hidden = runner.model(inputs.input_ids, inputs.positions)  # [n, hidden]
                 logits = runner.model.compute_logits(hidden).float()
             targets = torch.tensor(tokens[start + 1 : start + n + 1], device=logits.device)
-            lp = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
-            out += lp.tolist()
+            yield targets, torch.log_softmax(logits, dim=-1)
     finally:
         kv.free(request, keep_cached=False)
-    return out
 
 
 def perplexity(logprobs: list[float]) -> float:

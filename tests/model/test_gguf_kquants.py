@@ -129,12 +129,14 @@ def k_quant_gguf(tmp_path_factory):
 
 
 def test_a_gguf_of_mixed_k_quants_runs_on_its_blocks_and_follows_the_float_path(k_quant_gguf):
+    """With bf16 activations (`--activation-quantization none`: int8 ones, the default where
+    they run, are held to the float path by perplexity and KL divergence instead)."""
     messages = [{"role": "user", "content": "What is the capital of France? Tell me about it."}]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = {}
     for method in ("gguf", "none"):
         llm = LLM(str(k_quant_gguf), dtype="float32", quantization=method, kv_cache_memory=0.05,
-                  max_model_len=512)  # fmt: skip
+                  max_model_len=512, activation_quantization="none")  # fmt: skip
         outs[method] = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].token_ids
         if method == "gguf":
             layers = llm.engine.runner.model.model.layers
