@@ -30,6 +30,7 @@ BEGIN, END = "<!-- figures:begin -->", "<!-- figures:end -->"
 ROWS = {
     "vllm-c16": "Served vs vLLM's CPU build, random 256/128, 16 concurrent: output tok/s",
     "llamacpp-c1-tpot": "Served vs llama.cpp's llama-server, one stream: time per output token",
+    "roofline-c1": "One stream's TPOT against the 4-bit memory roofline measured here (weights a step reads / read bandwidth)",
     "llamacpp-c16": "Served vs llama-server `--parallel 16`, 16 concurrent: output tok/s",
     "router-overhead": "Router: p50 latency it adds to a one-token request (model worker)",
     "slo-attainment": "SLO scheduling at saturation: interactive requests within TTFT and TPOT",
