@@ -62,7 +62,9 @@ def main() -> None:
         llm.generate([prompt], params, use_tqdm=False)
         return time.perf_counter() - start
 
-    tpot = min((timed(args.output_len + 1) - timed(1)) / args.output_len for _ in range(args.repeats))
+    tpot = min(
+        (timed(args.output_len + 1) - timed(1)) / args.output_len for _ in range(args.repeats)
+    )
     bandwidth = read_bandwidth()
     size = weight_bytes(llm)
     roof = size / bandwidth

@@ -80,7 +80,7 @@ class EngineConfig:
         "a request's tokens and logprobs never depend on the other requests in its steps or on "
         "where its prompt is cut into chunks: every token's row is computed by the same kernels "
         f"in the same order whatever the batch (also on with ${BATCH_INVARIANT_ENV}=1, vLLM's "
-        "variable). Costs prefill time (docs/batch-invariance.md)",
+        "variable). Costs throughput and prefill time (docs/batch-invariance.md)",
     )
     bf16_weight_copy: bool = _flag(
         False,
@@ -505,4 +505,10 @@ def resolve_batch_invariant(config: EngineConfig) -> bool:
     env = os.environ.get(BATCH_INVARIANT_ENV, "0").strip()
     if env not in ("", "0", "1"):
         raise ValueError(f"{BATCH_INVARIANT_ENV} must be 0 or 1, got {env!r}")
-    return config.batch_invariant or env == "1"
+    on = config.batch_invariant or env == "1"
+    if on and config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        raise ValueError(
+            "batch_invariant: a model split over ranks (tensor or pipeline parallel) sums its "
+            "shards' products in another order; run it whole"
+        )
+    return on

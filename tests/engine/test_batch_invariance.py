@@ -148,6 +148,8 @@ def test_vllms_environment_variable_turns_it_on_and_a_bad_value_is_named(monkeyp
     assert resolve_batch_invariant(EngineConfig(batch_invariant=True))
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
     assert resolve_batch_invariant(EngineConfig())
+    with pytest.raises(ValueError, match="batch_invariant: a model split over ranks"):
+        resolve_batch_invariant(EngineConfig(tensor_parallel_size=2))
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "yes")
     with pytest.raises(ValueError, match="VLLM_BATCH_INVARIANT"):
         resolve_batch_invariant(EngineConfig())
