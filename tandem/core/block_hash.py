@@ -55,8 +55,14 @@ class BlockHasher:
         if len(out) >= num_blocks:
             return out[:num_blocks]
         tokens = request.all_token_ids
-        parent = out[-1] if out else self._adapters.get(request.lora_id, self.seed)
+        parent = out[-1] if out else self._root(request)
         for i in range(len(out), min(num_blocks, len(tokens) // bs)):
             parent = chain_hash(parent, tokens[i * bs : (i + 1) * bs])
             out.append(parent)
         return out[:num_blocks]
+
+    def _root(self, request: Request) -> bytes:
+        """The chain's root: the model's (or the adapter's) seed, and the salt where the
+        request has one, so a tenant's blocks have names of their own in a shared tier too."""
+        root = self._adapters.get(request.lora_id, self.seed)
+        return root if request.cache_salt is None else model_seed(root, request.cache_salt)

@@ -6,10 +6,13 @@ get room for n more tokens?", and it answers without side effects when the answe
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from tandem.core.block_hash import BlockHasher
 from tandem.core.block_pool import BlockPool
+from tandem.core.kv_events import KVEventLog
+from tandem.core.pins import PrefixPins
 from tandem.core.radix_cache import EvictionPolicy, Node, RadixCache
 from tandem.core.request import Request
 
@@ -41,6 +44,8 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         eviction_policy: EvictionPolicy | None = None,
         hasher: BlockHasher | None = None,
+        max_pinned_fraction: float = 0.5,
+        events: KVEventLog | None = None,
     ) -> None:
         self.block_size = block_size
         # With KV tiers: names blocks for them, and every block computed here is listed in
@@ -54,7 +59,15 @@ class KVCacheManager:
             else None
         )
         self.stats = PrefixCacheStats()
+        # KV events for external routers (core/kv_events.py): blocks stored and removed
+        self.events = events if self.cache is not None else None
         self._cursors: dict[str, _InsertCursor] = {}
+        # sessions' prefixes held between turns (core/pins.py), at most this share of the pool
+        self.pins = (
+            PrefixPins(self.pool, self.cache, int(max_pinned_fraction * self.pool.num_usable))
+            if self.cache is not None
+            else None
+        )
 
     # ---- capacity ---------------------------------------------------------------
     @property
@@ -86,6 +99,22 @@ class KVCacheManager:
     def record_lookup(self, num_queried: int, num_hit: int) -> None:
         self.stats.queries += num_queried
         self.stats.hits += num_hit
+
+    # ---- sessions: prefixes pinned between turns -----------------------------------
+    def pin_prefix(self, owner: str, request: Request, until: float) -> int:
+        """Hold the cached blocks the request's tokens spell (its radix path, whoever
+        computed them) for `owner` until `until`, in place of the owner's previous pin;
+        -> the blocks held (0 without a prefix cache)."""
+        if self.pins is None:
+            return 0
+        path = self.cache.match(_keyed(request, request.all_token_ids), request.num_tokens)
+        return self.pins.pin(owner, [n.block_id for n in path], until)
+
+    def unpin(self, owner: str) -> int:
+        return self.pins.unpin(owner) if self.pins is not None else 0
+
+    def expire_pins(self, now: float) -> list[str]:
+        return self.pins.expire(now) if self.pins is not None else []
 
     # ---- allocation ------------------------------------------------------------
     def allocate_slots(
@@ -120,10 +149,11 @@ class KVCacheManager:
         if num_new_blocks > self.num_free_blocks - revived:
             return False
 
-        for b in prefix_ids:
-            self.pool.ref_cnt[b] += 1
-            if self.pool.ref_cnt[b] == 1:
-                self.cache.on_referenced(b)
+        for node in prefix:
+            node.priority = min(node.priority, request.priority)
+            self.pool.ref_cnt[node.block_id] += 1
+            if self.pool.ref_cnt[node.block_id] == 1:
+                self.cache.on_referenced(node.block_id)
         request.block_ids.extend(prefix_ids)
         request.block_ids.extend(self._take(num_new_blocks))
         if self.cache is not None:
@@ -152,6 +182,7 @@ class KVCacheManager:
         if short > 0:
             evicted = self.cache.evict(short)
             assert len(evicted) == short, "evictable count promised more blocks than eviction found"
+            self._removed(evicted)
             self.pool.put_free(evicted)
         return self.pool.take(n)
 
@@ -170,10 +201,14 @@ class KVCacheManager:
             i = cursor.num_blocks
             block_id = request.block_ids[i]
             key = tuple(_keyed(request, tokens[i * bs : (i + 1) * bs]))
-            node = self.cache.insert(cursor.node, key, block_id)
+            parent = cursor.node
+            node = self.cache.insert(parent, key, block_id)
+            node.priority = min(node.priority, request.priority)  # PriorityEviction's
             if node.block_id != block_id:
                 cursor.stopped = True
                 break
+            if self.events is not None:
+                self.events.stored(request, i, block_id, parent.block_id if parent else None)
             cursor.node, cursor.num_blocks = node, i + 1
             # An adapter the hasher has no digest of keeps its KV in the pool.
             if store and self.hasher is not None and self.hasher.covers(request.lora_id):
@@ -202,7 +237,9 @@ class KVCacheManager:
             if self.cache is not None and self.cache.contains(b):
                 self.cache.on_released(b)
                 if not keep_cached:
-                    self.pool.put_free(self.cache.discard(b))
+                    dropped = self.cache.discard(b)
+                    self._removed(dropped)
+                    self.pool.put_free(dropped)
             else:
                 self.pool.put_free([b])
         request.block_ids = []
@@ -213,6 +250,11 @@ class KVCacheManager:
         if self.cache is None:
             return 0
         freed = self.cache.clear()
+        if self.events is not None and freed:
+            if self.cache.num_cached_blocks:  # pinned or in use: those stay
+                self.events.removed(freed)
+            else:
+                self.events.cleared()
         self.pool.put_free(freed)
         return len(freed)
 
@@ -222,11 +264,17 @@ class KVCacheManager:
         id never hits the old one's KV; return how many were freed."""
         if self.cache is None or not lora_id:
             return 0
-        lo, hi = lora_id << 32, (lora_id + 1) << 32  # its keys' range (_keyed)
-        roots = [n for key, n in self.cache.root.children.items() if lo <= key[0] < hi]
+        # its keys: token + (lora_id << 32), salted or not (_keyed)
+        roots = [n for key, n in self.cache.root.children.items()
+                 if (key[0] >> 32) & 0xFFFFFFFF == lora_id]  # fmt: skip
         freed = [b for node in roots for b in self.cache.discard(node.block_id)]
+        self._removed(freed)
         self.pool.put_free(freed)
         return len(freed)
+
+    def _removed(self, block_ids: list[int]) -> None:
+        if self.events is not None and block_ids:
+            self.events.removed(block_ids)
 
     @property
     def num_evicted(self) -> int:
@@ -241,6 +289,10 @@ class KVCacheManager:
         if requests is None:
             return
         holders = [0] * self.pool.num_blocks
+        if self.pins is not None:
+            self.pins.check_invariants()
+            for b, n in self.pins.holders().items():
+                holders[b] += n
         for r in requests:
             assert len(set(r.block_ids)) == len(r.block_ids), f"{r.request_id} holds a block twice"
             for b in r.block_ids:
@@ -249,10 +301,18 @@ class KVCacheManager:
 
 
 def _keyed(request: Request, tokens: list[int]) -> list[int]:
-    """The tokens as the radix tree keys them: a LoRA adapter's KV differs from the base
+    """The tokens as the radix tree keys them. A LoRA adapter's KV differs from the base
     model's for the same tokens, so its keys are moved past every token id (ids are below
-    2**32), and two adapters (or an adapter and the base) never share a block."""
-    if not request.lora_id:
-        return tokens
-    salt = request.lora_id << 32
-    return [t + salt for t in tokens]
+    2**32) by the adapter's id, and two adapters (or an adapter and the base) never share a
+    block; a cache_salt moves them further (64 bits of its digest, past any adapter id), so
+    requests share blocks only within one salt."""
+    shift = request.lora_id << 32
+    if request.cache_salt is not None:
+        shift += salt_key(request.cache_salt) << 64
+    return tokens if not shift else [t + shift for t in tokens]
+
+
+def salt_key(salt: str) -> int:
+    """A salt's place in the radix keys: 64 bits of its digest, never 0 (an unsalted key)."""
+    digest = hashlib.blake2b(salt.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") | 1

@@ -25,9 +25,13 @@ import itertools
 from collections.abc import Sequence
 from typing import Protocol
 
+# A node no request with a priority has read yet (PriorityEviction's rank treats it as the
+# least urgent of all).
+NO_PRIORITY = 2**63
+
 
 class Node:
-    __slots__ = ("key", "block_id", "parent", "children", "last_access", "depth")
+    __slots__ = ("key", "block_id", "parent", "children", "last_access", "depth", "priority")
 
     def __init__(self, key: tuple[int, ...], block_id: int, parent: Node | None) -> None:
         self.key = key
@@ -36,6 +40,9 @@ class Node:
         self.children: dict[tuple[int, ...], Node] = {}
         self.last_access = 0
         self.depth = 0 if parent is None else parent.depth + 1
+        # the most urgent (lowest) priority of the requests that computed or read it: it
+        # only falls, so a rank built on it only grows
+        self.priority = NO_PRIORITY
 
 
 class EvictionPolicy(Protocol):
@@ -49,6 +56,19 @@ class LRUEviction:
     def rank(self, node: Node) -> tuple:
         # Deeper nodes first among equals: they are the tails of longer prefixes.
         return (node.last_access, -node.depth)
+
+
+class PriorityEviction:
+    """Blocks only less urgent requests used go first (priority as the scheduler reads it:
+    lower values are more urgent, as vLLM's), least recently read among equals: a batch
+    tenant's prompts never push out an interactive one's (--radix-eviction-policy priority,
+    SGLang's flag)."""
+
+    def rank(self, node: Node) -> tuple:
+        return (-node.priority, node.last_access, -node.depth)
+
+
+EVICTION_POLICIES = {"lru": LRUEviction, "priority": PriorityEviction}
 
 
 class RadixCache:

@@ -78,6 +78,13 @@ class Request:
         # all_token_ids until verified.
         self.draft_token_ids: list[int] = []
         self.lora_id = 0  # the LoRA adapter it runs with (0: the base model)
+        # Its tenant's cache namespace (vLLM's cache_salt): requests share cached KV only
+        # within one salt; None shares with every unsalted request.
+        self.cache_salt: str | None = None
+        # The agent session it is a turn of (None: none): at its end the engine pins its
+        # prefix for the session, session_ttl seconds (core/pins.py).
+        self.session_id: str | None = None
+        self.session_ttl = 0.0
         # Its compiled grammar (structured output; opaque here), held from admission so
         # the runner makes its matcher from it whatever the compile cache has dropped.
         self.grammar = None

@@ -30,6 +30,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.messages import (
     ABORT,
     ADD,
+    CLOSE_SESSION,
     LOAD_LORA,
     RESERVE,
     SHUTDOWN,
@@ -136,6 +137,7 @@ class RequestStream:
         # reservations of a request whose prompt KV a prefill instance sends
         self.reservations: list[tuple[str, asyncio.Future]] = []
         self._first: RequestOutput | None = None  # taken by started(), yielded first
+        self.on_end: Callable[[], None] | None = None  # called once, when it ends either way
 
     async def started(self) -> None:
         """Wait for the first output, raising the request's error if it fails before one
@@ -166,12 +168,19 @@ class RequestStream:
         if output.finished:
             self.finished = True
             self.engine._release(self.request_id, abort=False)
+            self._ended()
         return output
 
     def close(self) -> None:
         if not self.finished:
             self.finished = True
             self.engine._release(self.request_id, abort=True)
+            self._ended()
+
+    def _ended(self) -> None:
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            on_end()
 
     async def aclose(self) -> None:
         self.close()
@@ -308,6 +317,8 @@ class AsyncLLM:
         remote_prefill: bool = False,
         kv_transfer: list[KVTransferParams] | None = None,
         lora_id: int = 0,
+        cache_salt: str | None = None,
+        session: tuple[str, float] | None = None,
     ) -> RequestStream:
         """Send the request to the core now; iterate the stream for its outputs.
 
@@ -323,10 +334,12 @@ class AsyncLLM:
         request_id = request_id or uuid.uuid4().hex
         core_requests = self.processor.add_request(
             request_id, prompt, prompt_token_ids, params, time.monotonic(), priority, slo,
-            lora_id=lora_id,
+            lora_id=lora_id, cache_salt=cache_salt,
         )  # fmt: skip
         for creq, transfer in zip(core_requests, kv_transfer or ()):
             creq.kv_transfer = transfer
+        for creq in core_requests if session is not None else ():
+            creq.session_id, creq.session_ttl = session  # its prefix pinned after, for the TTL
         try:  # built whole before anything is registered or sent: a failure leaves no trace
             payloads = [self._encoder.encode(creq) for creq in core_requests]
         except (OverflowError, TypeError, ValueError) as e:
@@ -386,6 +399,11 @@ class AsyncLLM:
             self._send(ABORT, self._encoder.encode(ids))
         if self.observer is not None:
             self.observer.on_abort(request_id)
+
+    def close_session(self, session_id: str) -> None:
+        """Unpin an agent session's prefix in the core (its blocks stay cached, evictable)."""
+        if not self.dead:
+            self._send(CLOSE_SESSION, session_id.encode())
 
     def abort_all(self, error: Exception) -> None:
         """End every request in flight; their generators raise `error`."""

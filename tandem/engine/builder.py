@@ -7,14 +7,18 @@ from __future__ import annotations
 import logging
 import time
 
+from tandem.core.block_hash import BlockHasher
 from tandem.core.clock import WallClock
 from tandem.core.cost_model import DEFAULT_PRIOR, CostModel, OnlineCostModel
 from tandem.core.kv_cache_manager import KVCacheManager
+from tandem.core.kv_events import KVEventLog
 from tandem.core.policy import BatchPolicy, FCFSBatch, PriorityBatch
+from tandem.core.radix_cache import EVICTION_POLICIES
 from tandem.core.scheduler import Scheduler, SchedulerConfig
 from tandem.core.slo_policy import SLOBatch
 from tandem.engine.config import EngineConfig
 from tandem.engine.core import EngineCore
+from tandem.engine.kv_event_publisher import build_publisher
 
 log = logging.getLogger("tandem")
 
@@ -35,11 +39,19 @@ def build_engine(config: EngineConfig, clock=None):
     if config.speculative_config is not None:
         loaded.runner.proposer = build_proposer(config.speculative_config, config, loaded)
     tiers = build_kv_tiers(config, loaded) if config.kv_tiers_on else None
+    publisher = build_publisher(config.kv_events_config)
+    events = None
+    if publisher is not None:  # blocks named as the tiers name them (their hasher, if any)
+        hasher = tiers.hasher if tiers else BlockHasher(kv_seed(config, loaded), config.block_size)
+        events = KVEventLog(hasher, "GPU" if loaded.device.type == "cuda" else "CPU")
     kv = KVCacheManager(
         loaded.num_blocks,
         config.block_size,
         config.enable_prefix_caching,
+        EVICTION_POLICIES[config.radix_eviction_policy](),
         hasher=tiers.hasher if tiers else None,
+        max_pinned_fraction=config.max_pinned_fraction,
+        events=events,
     )
     scheduler = Scheduler(
         SchedulerConfig(
@@ -56,8 +68,9 @@ def build_engine(config: EngineConfig, clock=None):
     )
     eos = loaded.model_config.eos_token_ids
     core = EngineCore(
-        scheduler, loaded.runner, clock, eos, cpu_clock=time.process_time, kv_tiers=tiers
-    )
+        scheduler, loaded.runner, clock, eos, cpu_clock=time.process_time, kv_tiers=tiers,
+        kv_events=publisher,
+    )  # fmt: skip
     log.info(
         "engine ready: %s, %s on %s, weights %s, %d KV blocks of %d tokens (KV cache %s), "
         "max_model_len %d, %d tokens a step, scheduling %s, speculative decoding: %s, LoRA: %s, "
@@ -83,16 +96,11 @@ def build_engine(config: EngineConfig, clock=None):
 
 def build_kv_tiers(config: EngineConfig, loaded):
     """The KV tiers the flags ask for, fastest first, named for this model and KV layout."""
-    from tandem.core.block_hash import BlockHasher, model_seed
     from tandem.kv_transfer.offload import KVTiers
     from tandem.kv_transfer.tiers import DiskTier, HostTier, RedisTier
 
     layout = loaded.runner.kv_layout
-    mc = loaded.model_config
-    seed = model_seed(
-        "tandem-kv-1", model_fingerprint(config.model), mc.architecture, mc.num_layers,
-        mc.vocab_size, loaded.weights, layout,
-    )  # fmt: skip
+    seed = kv_seed(config, loaded)
     tiers = []
     if config.kv_offloading_size:
         tiers.append(HostTier(int(config.kv_offloading_size * 2**30)))
@@ -110,6 +118,18 @@ def build_kv_tiers(config: EngineConfig, loaded):
         config.kv_offload_min_tokens,
         config.kv_offload_load_timeout,
     )
+
+
+def kv_seed(config: EngineConfig, loaded) -> bytes:
+    """The root of every block hash: the same for every instance of this model and KV
+    layout, so KV tiers and KV events name a prefix alike everywhere."""
+    from tandem.core.block_hash import model_seed
+
+    mc = loaded.model_config
+    return model_seed(
+        "tandem-kv-1", model_fingerprint(config.model), mc.architecture, mc.num_layers,
+        mc.vocab_size, loaded.weights, loaded.runner.kv_layout,
+    )  # fmt: skip
 
 
 def model_fingerprint(model: str | None) -> tuple:

@@ -113,6 +113,25 @@ class EngineConfig:
         "pool sized from what is left, as vLLM); ignored on the CPU",
     )
     enable_prefix_caching: bool = _flag(True, "reuse the KV of shared prompt prefixes")
+    radix_eviction_policy: str = _flag(
+        "lru",
+        "which cached blocks go first when the pool is short: lru (least recently read) or "
+        "priority (those only less urgent requests used, then least recently read; SGLang's "
+        "flag)",
+        choices=["lru", "priority"],
+    )
+    kv_events_config: str | None = _flag(
+        None,
+        "publish KV cache events for external routers, vLLM's JSON and wire format: "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558", "topic": "kv"}\'',
+        type=str,
+    )
+    max_pinned_fraction: float = _flag(
+        0.5,
+        "the share of the KV pool agent sessions may pin between their turns (the rest always "
+        "serves ordinary traffic); opening a session past it is a 429",
+    )
     max_num_seqs: int = _flag(256, "most sequences in one running batch")
     max_num_batched_tokens: int | None = _flag(
         None,
@@ -314,6 +333,13 @@ class EngineConfig:
         self._check_choice("activation_quantization", ACTIVATION_QUANTIZATIONS)
         self._check_choice("kv_cache_dtype", KV_CACHE_DTYPES)
         self._check_choice("structured_outputs_backend", ("auto", "xgrammar", "guidance"))
+        self._check_choice("radix_eviction_policy", ("lru", "priority"))
+        if self.kv_events_config is not None:
+            from tandem.engine.kv_event_publisher import KVEventsConfig
+
+            events = KVEventsConfig.parse(self.kv_events_config)  # a ValueError naming the field
+            if events is not None and not self.enable_prefix_caching:
+                raise ValueError("kv_events_config: events come from the prefix cache; enable it")
         if not self.structured_outputs_compile_timeout > 0:
             raise ValueError(
                 "structured_outputs_compile_timeout must be > 0 (seconds), got "
@@ -328,6 +354,10 @@ class EngineConfig:
         if self.kv_cache_memory_bytes is not None and not self.kv_cache_memory_bytes >= 1:
             raise ValueError(
                 f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes!r}"
+            )
+        if not 0 <= self.max_pinned_fraction <= 1:
+            raise ValueError(
+                f"max_pinned_fraction must be in [0, 1], got {self.max_pinned_fraction!r}"
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(

@@ -35,8 +35,11 @@ class EngineCore:
         eos_token_ids: tuple[int, ...] = (),
         cpu_clock: Callable[[], float] | None = None,
         kv_tiers=None,
+        kv_events=None,
     ) -> None:
         self.scheduler, self.runner, self.clock = scheduler, runner, clock
+        # where the KV manager's events go, once a step (engine/kv_event_publisher.py)
+        self.kv_events = kv_events
         # KV tiers (kv_transfer/offload.py; the scheduler asks them what it can load): the
         # loop starts the loads it plans, imports what arrives, and stores what it computes.
         self.kv_tiers = kv_tiers
@@ -116,13 +119,35 @@ class EngineCore:
         )
         request.kv_transfer = req.kv_transfer
         request.lora_id = req.lora_id
+        request.cache_salt = req.cache_salt
+        request.session_id, request.session_ttl = req.session_id, req.session_ttl
         return request
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.compiling.pop(rid, None)
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        # (a stop string ends a turn this way too: its KV is as good as a finished one's)
+        self._pin_sessions(
+            self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        )
         self.stalled = False
+
+    # ---- agent sessions: a turn's prefix pinned until the next ---------------------------
+    def _pin_sessions(self, finished: list[Request]) -> None:
+        """Pin the prefix of each finished turn of a session until its TTL from now (its
+        blocks are still cached: nothing allocates between the turn's end and this)."""
+        now = self.clock()
+        for req in finished:
+            if req.session_id is not None and req.status != RequestStatus.FINISHED_ERROR:
+                self.scheduler.kv.pin_prefix(req.session_id, req, now + req.session_ttl)
+
+    def close_session(self, session_id: str) -> int:
+        """Unpin a session's prefix (its blocks stay cached, evictable); -> blocks unpinned."""
+        return self.scheduler.kv.unpin(session_id)
+
+    def expire_sessions(self) -> list[str]:
+        """Unpin the sessions whose TTL ran out; -> their ids."""
+        return self.scheduler.kv.expire_pins(self.clock())
 
     def check_alive(self) -> None:
         """Raise RankFailed where the runner's model is split and a rank has died."""
@@ -136,6 +161,7 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         t0 = self.clock()
+        self.scheduler.kv.expire_pins(t0)  # (the idle loop expires them too)
         if self.kv_tiers is not None:
             self._finish_kv_loads()
         plan = self.scheduler.schedule()
@@ -173,7 +199,7 @@ class EngineCore:
         self.scheduler.observe_step(plan, t2 - t1)
         outputs = [_shed_output(r) for r in plan.shed] + self._fail(errors)
         before = [s.request.num_tokens for s in plan.scheduled]
-        self.scheduler.update(plan, result.sampled, result.drafts)
+        self._pin_sessions(self.scheduler.update(plan, result.sampled, result.drafts))
         for s, num_before in zip(plan.scheduled, before):
             req = s.request
             new = req.all_token_ids[num_before:]  # a stop may have cut drafts
@@ -181,12 +207,19 @@ class EngineCore:
                 continue
             logprobs = result.logprobs.get(req.request_id)
             outputs.append(self._output(req, new, logprobs[: len(new)] if logprobs else None))
+        self._publish_kv_events()
         self.last_step_timings = {
             "schedule": t1 - t0,
             **(result.timings or {"execute": t2 - t1}),  # the runner's phases, if it has them
             "update": self.clock() - t2,
         }
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            batch = self.scheduler.kv.events.take()
+            if batch is not None:
+                self.kv_events.publish(batch)
 
     @staticmethod
     def _output(req: Request, tokens: list[int], logprobs) -> EngineCoreOutput:
@@ -341,6 +374,8 @@ class EngineCore:
             execute_seconds=self.execute_seconds,
             execute_cpu_seconds=self.execute_cpu_seconds,
             expert_tokens=self.expert_load(),
+            num_pinned_blocks=kv.pins.num_blocks if kv.pins else 0,
+            max_pinned_blocks=kv.pins.max_blocks if kv.pins else 0,
             **(self._tier_stats() if self.kv_tiers is not None else {}),
         )
 
@@ -365,8 +400,8 @@ class EngineCore:
         """Register an adapter `read_lora` returned, under its id."""
         self.runner.add_lora(lora_id, weights)
         self.lora_ids.add(lora_id)
-        if self.kv_tiers is not None:  # its KV named by its weights, for the tiers
-            self.scheduler.kv.hasher.add_adapter(lora_id, weights.digest())
+        for hasher in self._hashers():  # its KV named by its weights, for tiers and events
+            hasher.add_adapter(lora_id, weights.digest())
 
     def remove_lora(self, lora_id: int) -> None:
         users = sum(r.lora_id == lora_id for r in self.scheduler.requests.values())
@@ -374,9 +409,14 @@ class EngineCore:
             raise ValueError(f"lora: adapter {lora_id} is in use by {users} request(s)")
         self.runner.remove_lora(lora_id)
         self.lora_ids.discard(lora_id)
-        if self.kv_tiers is not None:
-            self.scheduler.kv.hasher.remove_adapter(lora_id)
+        for hasher in self._hashers():
+            hasher.remove_adapter(lora_id)
         self.scheduler.kv.purge_lora(lora_id)  # its KV goes with it: the id may be reused
+
+    def _hashers(self) -> set:
+        """The block hashers naming KV here: the tiers' and the events' (often one)."""
+        kv = self.scheduler.kv
+        return {h for h in (kv.hasher, kv.events.hasher if kv.events else None) if h is not None}
 
     def reset_prefix_cache(self) -> int:
         return self.scheduler.kv.reset_prefix_cache()

@@ -31,6 +31,7 @@ from tandem.engine.heap import freeze_startup_heap
 from tandem.engine.messages import (
     ABORT,
     ADD,
+    CLOSE_SESSION,
     LOAD_LORA,
     RESERVE,
     SHUTDOWN,
@@ -106,6 +107,7 @@ class EngineCoreProc:
                 handled = self._take_kv() if self.kv is not None else 0
                 handled += self._finish_loads()
                 handled += self._finish_compiles()
+                handled += len(self.core.expire_sessions())  # freed blocks: stats go out
                 self._exit_if_orphaned()
                 self._check_ranks()
         else:
@@ -203,6 +205,8 @@ class EngineCoreProc:
                 self.lora_results.append((op.op_id, ""))
             except Exception as e:
                 self.lora_results.append((op.op_id, _reason(e)))
+        elif kind == CLOSE_SESSION:
+            self.core.close_session(frames[1].decode())
         elif kind == ABORT:
             self.core.abort_requests(self.abort_decoder.decode(frames[1]))
         elif kind == SHUTDOWN:

@@ -23,6 +23,8 @@ from tandem.spec.stats import SpecDecodeStats
 
 # Message kinds, server -> core: the first frame of a multipart message.
 ADD, RESERVE, ABORT, SHUTDOWN = b"add", b"reserve", b"abort", b"shutdown"
+# Agent sessions: CLOSE_SESSION (the session id, utf-8) unpins the session's prefix.
+CLOSE_SESSION = b"close_session"
 # LoRA adapters: LOAD_LORA (LoRAOp with a path), UNLOAD_LORA (LoRAOp without); the core
 # answers each in CoreOutputs.lora_results (op id, error; "" when it worked).
 LOAD_LORA, UNLOAD_LORA = b"load_lora", b"unload_lora"
@@ -52,6 +54,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
     slo: SLOClass = DEFAULT_CLASS  # its class and targets, resolved by the front end
     kv_transfer: KVTransferParams | None = None  # prefill here, decode elsewhere
     lora_id: int = 0  # the LoRA adapter to run with (0: the base model)
+    cache_salt: str | None = None  # shares cached KV only with requests of the same salt
+    session_id: str | None = None  # a turn of this agent session: its prefix is pinned after
+    session_ttl: float = 0.0  # for this many seconds from its end
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -96,6 +101,9 @@ class EngineStats:
     # a mixture of experts: tokens routed to each expert, summed over the layers, cumulative
     # (empty for a dense model)
     expert_tokens: list[int] = field(default_factory=list)
+    # agent sessions: blocks pinned between turns now, and the most they may take
+    num_pinned_blocks: int = 0
+    max_pinned_blocks: int = 0
 
 
 class CoreReady(msgspec.Struct, tag="ready", array_like=True):

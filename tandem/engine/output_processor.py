@@ -84,6 +84,7 @@ class OutputProcessor:
         priority: int = 0,
         slo: SLOClass = DEFAULT_CLASS,
         lora_id: int = 0,
+        cache_salt: str | None = None,
     ) -> list[EngineCoreRequest]:
         """Register a request; return the core requests for its n samples."""
         if request_id in self._parents:
@@ -105,8 +106,15 @@ class OutputProcessor:
             cid = child_request_id(request_id, i, params.n)
             core_requests.append(
                 EngineCoreRequest(
-                    cid, prompt_token_ids, child, arrival_time, priority, slo, lora_id=lora_id
-                )
+                    cid,
+                    prompt_token_ids,
+                    child,
+                    arrival_time,
+                    priority,
+                    slo,
+                    lora_id=lora_id,
+                    cache_salt=cache_salt,
+                )  # fmt: skip
             )
         parent = _Parent(request_id, prompt, prompt_token_ids, seqs, RequestMetrics(arrival_time))
         self._parents[request_id] = parent

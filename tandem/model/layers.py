@@ -80,7 +80,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer(
             "sin", torch.empty(max_positions, head_dim, dtype=dtype), persistent=False
         )
-        self.init_tables()
+        # on the meta device the loader computes them after to_empty; computing them there
+        # imports torch._dynamo (python meta kernels), ~1.5 s of every start
+        if self.cos.device.type != "meta":
+            self.init_tables()
 
     def init_tables(self) -> None:
         """(Re)compute the tables on the buffers' device, e.g. after `to_empty`."""

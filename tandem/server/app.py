@@ -39,6 +39,7 @@ from tandem.server.protocol import (
 )
 from tandem.server.security import Access, AccessGate, check_allowed_path
 from tandem.server.serving import Serving, api_error
+from tandem.server.sessions import CloseSessionRequest, OpenSessionRequest
 from tandem.server.streaming import json_response
 
 log = logging.getLogger("tandem")
@@ -52,6 +53,8 @@ _BODIES = {
     "/v1/load_lora_adapter": LoadLoRAAdapterRequest,
     "/v1/unload_lora_adapter": UnloadLoRAAdapterRequest,
     "/role": RoleRequest,
+    "/open_session": OpenSessionRequest,
+    "/close_session": CloseSessionRequest,
 }
 
 
@@ -99,6 +102,17 @@ def build_app(state: ServerState, access: Access | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(serving, request)
+
+    @app.post("/open_session")  # SGLang's: the new session's id, as a JSON string
+    async def open_session(request: Request) -> Response:
+        req = parse(OpenSessionRequest, await request.body())
+        return json_response(serving.open_session(req, request.scope))
+
+    @app.post("/close_session")  # SGLang's: an empty 200
+    async def close_session(request: Request) -> Response:
+        req = parse(CloseSessionRequest, await request.body())
+        serving.sessions.close(req.session_id, request.scope.get("tandem.key"))
+        return Response()
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -81,7 +81,12 @@ async def create_chat_completion(serving: Serving, request: Request) -> Response
     job = _Job(serving, req, prompt, params.stop, parser)
     kv = req.kv_transfer_params
     charge_tokens(request.scope, len(prompt.token_ids) + params.max_tokens * params.n)
-    streams = serving.generate(job.id, [prompt], [params], req.priority, req.slo_class, kv, lora_id)
+    salt = serving.cache_salt(req.cache_salt, request.scope)
+    key = request.scope.get("tandem.key")
+    session = serving.join_session(req, request.headers, key, len(prompt.token_ids))
+    streams = serving.generate(
+        job.id, [prompt], [params], req.priority, req.slo_class, kv, lora_id, salt, session
+    )
     handoff = await serving.reservation([prompt], streams, kv)  # a decode instance's answer
     if req.stream and params.structured_outputs is not None:
         await serving.started(streams)  # a grammar that fails to compile is still a 400

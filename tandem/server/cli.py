@@ -100,6 +100,13 @@ def add_parser(sub) -> None:
         "on_overload: keep|shed|demote) that requests pick with `slo_class`",
     )
     p.add_argument(
+        "--cache-salt-per-api-key",
+        action="store_true",
+        help="make every API key its own cache tenant: requests share cached KV only with "
+        "requests of the same key (and the same cache_salt, where they send one), so no key "
+        "can observe another's prompts through cache hits or their timing",
+    )
+    p.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='let requests send tool_choice "auto" (the default with tools): the model '
@@ -277,6 +284,7 @@ async def _serve(args: argparse.Namespace, config, model: str | None, sock) -> i
             args.slo_classes,
             args.tool_call_parser,
             args.enable_auto_tool_choice,
+            args.cache_salt_per_api_key,
         )
         for name, path in parse_lora_modules(args.lora_modules):
             try:
@@ -288,6 +296,7 @@ async def _serve(args: argparse.Namespace, config, model: str | None, sock) -> i
         access = Access(
             args.keys,
             AccessPolicy(
+                user=("/v1", "/open_session", "/close_session"),
                 admin_open=runtime_lora_updating(args.enable_runtime_lora_updating),
                 flagged=(("/role", "--enable-role-switching", config.enable_role_switching),),
             ),

@@ -38,9 +38,15 @@ async def create_completion(serving: Serving, request: Request) -> Response:
     kv = req.kv_transfer_params
     charge_tokens(request.scope, sum(len(p.token_ids) + pp.max_tokens * pp.n
                                      for p, pp in zip(prompts, params_per_prompt)))  # fmt: skip
-    streams = serving.generate(
-        job.id, prompts, params_per_prompt, req.priority, req.slo_class, kv, lora_id
+    salt = serving.cache_salt(req.cache_salt, request.scope)
+    key = request.scope.get("tandem.key")
+    session = serving.join_session(
+        req, request.headers, key, max(len(p.token_ids) for p in prompts)
     )
+    streams = serving.generate(
+        job.id, prompts, params_per_prompt, req.priority, req.slo_class, kv, lora_id, salt,
+        session,
+    )  # fmt: skip
     handoff = await serving.reservation(prompts, streams, kv)  # a decode instance's answer
     if req.stream and params.structured_outputs is not None:
         await serving.started(streams)  # a grammar that fails to compile is still a 400

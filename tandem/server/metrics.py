@@ -50,6 +50,9 @@ class Metrics:
         self.running = self._gauge("num_requests_running", "Requests in the running batch")
         self.waiting = self._gauge("num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_usage = self._gauge("kv_cache_usage_perc", "KV cache usage: 1 means 100 percent")
+        self.pinned_blocks = self._gauge(
+            "kv_pinned_blocks", "KV blocks agent sessions hold pinned between their turns"
+        )
         self.prefix_queries = self._counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
         )
@@ -183,6 +186,7 @@ class Metrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)
+        self.pinned_blocks.set(stats.num_pinned_blocks)
         totals = (
             stats.prefix_cache_queries,
             stats.prefix_cache_hits,

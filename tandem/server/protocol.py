@@ -134,6 +134,11 @@ class _SamplingRequest(_Model):
     ttft_ms: float | None = None  # this request's own targets, over its class's
     tpot_ms: float | None = None
     user: str | None = None
+    # vLLM's: cached KV is shared only among requests of the same salt (a tenant's own)
+    cache_salt: str | None = None
+    # a turn of an agent session (server/sessions.py): the id, or SGLang's {"id": ...}
+    session_id: str | None = None
+    session_params: dict[str, Any] | None = None
     kv_transfer_params: KVTransferField | None = None  # prefill/decode disaggregation
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None

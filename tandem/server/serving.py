@@ -29,6 +29,7 @@ from tandem.server.errors import (
 )
 from tandem.server.lora import LoRARegistry
 from tandem.server.protocol import KVTransferField
+from tandem.server.sessions import OpenSessionRequest, Session, Sessions
 
 log = logging.getLogger("tandem")
 
@@ -50,6 +51,7 @@ class Serving:
         slo_classes: dict[str, SLOClass] | None = None,
         tool_call_parser: str | None = None,
         enable_auto_tool_choice: bool = False,
+        cache_salt_per_api_key: bool = False,
     ) -> None:
         self.engine = engine
         self.loras = LoRARegistry(engine, engine.config.enable_lora)
@@ -66,6 +68,59 @@ class Serving:
         # tool_choice "auto": the parser that reads calls out of the model's text
         self.tool_call_parser = tool_call_parser
         self.enable_auto_tool_choice = enable_auto_tool_choice
+        # every API key its own cache tenant: its requests' salts are prefixed by its name
+        self.cache_salt_per_api_key = cache_salt_per_api_key
+        self.sessions = Sessions(engine.close_session)  # agent sessions (server/sessions.py)
+
+    def open_session(self, req: OpenSessionRequest, scope) -> str:
+        """A new session's id; a 429 naming --max-pinned-fraction while pinned prefixes
+        take all the pool they may."""
+        stats = self.engine.stats
+        if stats is not None and stats.max_pinned_blocks <= stats.num_pinned_blocks:
+            raise APIError(
+                429,
+                f"sessions: pinned prefixes hold {stats.num_pinned_blocks} KV blocks, all that "
+                "--max-pinned-fraction allows; close a session or wait for one to expire",
+                "rate_limit_error",
+                "session_id",
+                "pinned_kv_full",
+            )
+        return self.sessions.open(req, scope.get("tandem.key")).id
+
+    def join_session(self, req, headers, key: str | None, num_prompt_tokens: int) -> Session | None:
+        """The open session a request names (body `session_id`, SGLang's `session_params`,
+        or the `x-session-id` header), or None."""
+        params = req.session_params or {}
+        unsupported = sorted(k for k in params if k != "id" and params[k] is not None)
+        if unsupported:
+            raise bad_request(
+                f"session_params.{unsupported[0]}: not supported; send the whole conversation "
+                "each turn (the prefix cache finds the part a branch shares)",
+                f"session_params.{unsupported[0]}",
+            )
+        sid = req.session_id or params.get("id") or headers.get("x-session-id")
+        if sid is None:
+            return None
+        if not isinstance(sid, str):
+            raise bad_request("session_params.id: must be a string", "session_params.id")
+        session = self.sessions.get(sid, key)
+        if session.capacity_tokens is not None and num_prompt_tokens > session.capacity_tokens:
+            raise bad_request(
+                f"prompt: {num_prompt_tokens} tokens is past the session's capacity_tokens "
+                f"({session.capacity_tokens})",
+                "prompt",
+            )
+        return session
+
+    def cache_salt(self, salt: str | None, scope) -> str | None:
+        """The salt a request's KV is cached under: its own cache_salt (a non-empty string),
+        inside its API key's namespace with --cache-salt-per-api-key."""
+        if salt is not None and not salt:
+            raise bad_request("cache_salt: must be a non-empty string", "cache_salt")
+        if not self.cache_salt_per_api_key:
+            return salt
+        key = scope.get("tandem.key") or "anonymous"
+        return f"key:{key}" if salt is None else f"key:{key}\x00{salt}"
 
     def auto_tool_parser(self):
         """The parser for tool_choice "auto" (400 when the server was not started for it)."""
@@ -187,6 +242,8 @@ class Serving:
         slo_class: str | None = None,
         kv: KVTransferField | None = None,
         lora_id: int = 0,
+        cache_salt: str | None = None,
+        session: Session | None = None,
     ) -> list[RequestStream]:
         """Start one generation per prompt (admission checked for all of them first). `kv`:
         this request's part in a prefill/decode handoff (server/kv_handoff.py)."""
@@ -207,9 +264,12 @@ class Serving:
                 streams.append(
                     self.engine.add_request(
                         prompt.text, prompt.token_ids, p, rid, priority, slo,
-                        remote_prefill, sends[i] if sends else None, lora_id,
+                        remote_prefill, sends[i] if sends else None, lora_id, cache_salt,
+                        (session.id, session.ttl_s) if session else None,
                     )
                 )  # fmt: skip
+                if session is not None:
+                    streams[-1].on_end = self.sessions.begin(session)
         except ValueError as e:
             for s in streams:
                 s.close()
@@ -274,4 +334,6 @@ def usage(prompts: list[Prompt], outputs: list[RequestOutput]) -> dict:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        # OpenAI's field: prompt tokens whose KV came from the prefix cache or a KV tier
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)},
     }

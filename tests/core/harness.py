@@ -49,10 +49,15 @@ class Harness:
         batch=None,
         cost_model=None,
         tiers: FakeTiers | None = None,
+        max_pinned_fraction: float = 0.5,
+        events=None,
     ) -> None:
         self.clock = FakeClock()
         hasher = tiers.hasher if tiers else None
-        self.kv = KVCacheManager(num_blocks, block_size, prefix_caching, hasher=hasher)
+        self.kv = KVCacheManager(
+            num_blocks, block_size, prefix_caching, hasher=hasher,
+            max_pinned_fraction=max_pinned_fraction, events=events,
+        )  # fmt: skip
         cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
         self.sched = Scheduler(cfg, self.kv, self.clock, batch, cost_model, kv_source=tiers)
         self.tiers = tiers
@@ -71,7 +76,9 @@ class Harness:
         self.verify = None
         self.propose = None
 
-    def add(self, prompt, max_tokens=4, priority=0, slo=None, lora_id=0, **params) -> Request:
+    def add(
+        self, prompt, max_tokens=4, priority=0, slo=None, lora_id=0, cache_salt=None, **params
+    ) -> Request:
         if isinstance(prompt, int):
             prompt = list(range(100, 100 + prompt))
         sp = SamplingParams(max_tokens=max_tokens, eos_token_ids=(EOS,), **params)
@@ -79,6 +86,7 @@ class Harness:
         extra = {"slo": slo} if slo is not None else {}
         req = Request(rid, prompt, sp, arrival_time=self.clock(), priority=priority, **extra)
         req.lora_id = lora_id
+        req.cache_salt = cache_salt
         self.sched.add_request(req)
         self.clock.advance(0.001)
         return req

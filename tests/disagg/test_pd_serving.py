@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.disagg.conftest import ready
+from tests.server.conftest import settled
 
 pytestmark = pytest.mark.slow
 TOKEN_PROMPT_SHORT = [5, 17, 42]  # shorter than a block
@@ -54,19 +55,9 @@ def _choices(answer: dict) -> list[tuple]:
     return [(c["index"], c["text"], c["finish_reason"]) for c in answer["choices"]]
 
 
-def _settled(server, name: str, want: float, timeout: float = 10.0) -> float:
-    """Poll a metric until it reads `want` (stats arrive after the core's next step)."""
-    deadline = time.monotonic() + timeout
-    value = server.metrics().get(name, 0.0)
-    while value != want and time.monotonic() < deadline:
-        time.sleep(0.1)
-        value = server.metrics().get(name, 0.0)
-    return value
-
-
 def _holds_no_blocks(*servers) -> None:
     for s in servers:
-        assert _settled(s, "tandem:kv_cache_usage_perc", 0.0) == 0.0, s.log_path
+        assert settled(s, "tandem:kv_cache_usage_perc", 0.0) == 0.0, s.log_path
 
 
 def _bytes_per_token(server, llama_path) -> int:
@@ -241,7 +232,7 @@ def test_a_stalled_transfer_is_given_up_within_its_bound(deployments):
     assert r.status_code == 200  # sent with the reservation; the body is the error
     assert "timed out after 3 s" in r.json()["error"]["message"]
     assert 2.5 < took < 6
-    assert _settled(d, "tandem:kv_transfer_failures_total", 1.0) >= 1
+    assert settled(d, "tandem:kv_transfer_failures_total", 1.0) >= 1
     _holds_no_blocks(d)
 
 

@@ -37,6 +37,9 @@ class ParkedCore:
     def abort_requests(self, ids) -> None:
         self.stalled = False
 
+    def expire_sessions(self) -> list[str]:
+        return []  # no agent session pins anything here
+
     def stats(self) -> EngineStats:
         return EngineStats(0, self.steps, 0.0, 0, 0, 0, 0)
 

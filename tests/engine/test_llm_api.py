@@ -273,3 +273,20 @@ def test_every_scheduling_policy_gives_the_same_greedy_tokens(llama_path, policy
     got, preemptions = run(policy)
     assert got == ref
     assert preemptions > 0
+
+
+def test_loading_a_model_never_imports_torch_dynamo(llama_path):
+    """Every start (each server's engine core, each test's LLM) pays for what loading imports:
+    the model is built on the meta device, where a random init or the RoPE tables computed
+    through torch's Python meta kernels import torch._dynamo (~1.5 s on 2 cores)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom tandem import LLM\n"
+        f"LLM({str(llama_path)!r}, dtype='float32', kv_cache_memory=0.01)\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "False"

@@ -21,6 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "sk-test-key"
 # A small KV pool (the default 2 GiB would be allocated and zeroed for nothing).
+ALICE, BOB = "sk-alice-salted", "sk-bob-salted"  # salted_server's keys
 COMMON = ["--kv-cache-memory", "0.01", "--dtype", "float32", "--disable-uvicorn-access-log"]
 
 
@@ -90,6 +91,17 @@ def metrics(url: str, label: str) -> dict[str, float]:
                 key += ":" + name.split(f'{label}="')[1].split('"')[0]
             values[key] = values.get(key, 0.0) + float(value)
     return values
+
+
+def settled(server, name: str, want: float, timeout: float = 10.0) -> float:
+    """Poll a metric until it reads `want` (stats arrive after the core's next step or idle
+    tick)."""
+    deadline = time.monotonic() + timeout
+    value = server.metrics().get(name, 0.0)
+    while value != want and time.monotonic() < deadline:
+        time.sleep(0.1)
+        value = server.metrics().get(name, 0.0)
+    return value
 
 
 def streamed_text(url: str, body: dict, path: str = "/v1/completions") -> str:
@@ -200,6 +212,32 @@ def _launched(request, llama_path, tmp_path_factory):
         servers["tools"] = Server(
             llama_path, ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], logs, "tools"
         )
+    if "salted_server" in wanted:  # two keys, each its own cache tenant
+        keys = logs / "salted-keys"
+        keys.write_text(f"{ALICE} name=alice\n{BOB} name=bob\n")
+        keys.chmod(0o600)
+        servers["salted"] = Server(
+            llama_path, ["--api-key-file", str(keys), "--cache-salt-per-api-key"], logs, "salted"
+        )
+    if "sessions_server" in wanted:  # a small pool, so other traffic evicts what is not pinned
+        servers["sessions"] = Server(
+            llama_path,
+            ["--num-kv-blocks", "40", "--max-model-len", "600", "--max-num-seqs", "4"],
+            logs,
+            "sessions",
+        )
+    if "events_server" in wanted:  # KV events on ipc sockets (loopback only), a small pool
+        pub, replay = f"ipc://{logs}/kv-events", f"ipc://{logs}/kv-replay"
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub,
+                  "replay_endpoint": replay, "topic": "kv"}  # fmt: skip
+        servers["events"] = Server(
+            llama_path,
+            ["--num-kv-blocks", "24", "--max-model-len", "300", "--kv-events-config",
+             json.dumps(config)],
+            logs,
+            "events",
+        )  # fmt: skip
+        servers["events"].kv_events = (pub, replay)
     if "draining_server" in wanted:
         servers["draining"] = Server(llama_path, ["--shutdown-timeout", "120"], logs, "draining")
     yield servers
@@ -237,6 +275,25 @@ def spec_server(_launched) -> Server:
 def tools_server(_launched) -> Server:
     """--enable-auto-tool-choice --tool-call-parser hermes."""
     return _launched["tools"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def salted_server(_launched) -> Server:
+    """--api-key-file with keys ALICE and BOB, --cache-salt-per-api-key."""
+    return _launched["salted"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def sessions_server(_launched) -> Server:
+    """--num-kv-blocks 40 (blocks of 16): agent sessions under pressure."""
+    return _launched["sessions"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def events_server(_launched) -> Server:
+    """--kv-events-config on ipc sockets (`.kv_events`: the PUB and replay addresses),
+    --num-kv-blocks 24."""
+    return _launched["events"].wait_ready()
 
 
 @pytest.fixture(scope="session")
