@@ -44,6 +44,7 @@ ROWS = {
     "moe-vllm-c16": "A small Qwen3-MoE served vs vLLM's CPU build, random 256/128, 16 concurrent: output tok/s",
     "batch-invariant-c16": "`--batch-invariant` vs the default, random 256/128, 16 at once (offline): output tok/s",
     "moe-ep": "`-tp 2 --enable-expert-parallel` vs the whole MoE model on both cores, 32 running: decode tok/s",
+    "agent-sessions": "Agents with sessions vs without, tool pauses 0.2-5 s under background traffic: mean TTFT of turns 2+ (below 1 is better)",
 }
 # CPU kinds as columns, in this order (others after them, by name).
 KINDS = ("amd-epyc-avx512-bf16", "intel-xeon-amx", "amd-epyc-avx2")

@@ -50,6 +50,7 @@ class RequestResult:
     ttft: float = 0.0  # seconds
     itl: list[float] = field(default_factory=list)  # seconds
     latency: float = 0.0  # seconds, to the last token
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if sent
     start_time: float = 0.0  # perf_counter() when sent
     generated_text: str = ""
 
@@ -125,6 +126,9 @@ async def send(client: httpx.AsyncClient, spec: RequestSpec, req: BenchRequest) 
                     out.output_len = int(usage["completion_tokens"])
                     if usage.get("prompt_tokens"):
                         out.prompt_len = int(usage["prompt_tokens"])
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        out.cached_tokens = int(details["cached_tokens"])
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as e:
         out.error = f"{type(e).__name__}: {e}"
         return out

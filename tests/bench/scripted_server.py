@@ -144,7 +144,9 @@ class _Handler:
             piece = {"delta": {"content": stamp}} if chat else {"text": stamp}
             await event({"choices": [{"index": 0, **piece, "finish_reason": None}]})
         if s["usage"]:
-            await event({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": n}})
+            usage = {"prompt_tokens": 7, "completion_tokens": n,
+                     "prompt_tokens_details": {"cached_tokens": 3}}  # fmt: skip
+            await event({"choices": [], "usage": usage})
         await chunk(b"data: [DONE]\n\n")
         writer.write(b"0\r\n\r\n")
         await writer.drain()

@@ -65,6 +65,7 @@ def test_each_request_is_timed_as_the_server_sent_it(fast_slow):
         ttft, itl, n = (0.05, 0.01, 10) if r.cls == "fast" else (0.30, 0.04, 6)
         assert r.success and r.error == ""
         assert r.output_len == n  # from the stream's usage
+        assert r.cached_tokens == 3  # its prompt_tokens_details
         sent = sent_times(r)
         # the server followed its script (late at worst) ...
         assert ttft <= sent[0] - r.start_time <= ttft + SLACK
@@ -152,6 +153,7 @@ def test_without_usage_output_tokens_are_counted_from_text(server):
         server, [req("ttft=0.01 itl=0.01 tokens=5 usage=0")], count_tokens=lambda t: len(t.split())
     )
     assert out.results[0].output_len == 5
+    assert out.results[0].cached_tokens is None  # nothing said: not a guess of 0
 
 
 def test_a_conversation_sends_its_turns_in_order(server):
