@@ -40,7 +40,7 @@ from starlette.routing import Route
 
 from tandem.router.autoscale import AttainmentWindow, AutoscaleConfig, FleetSignals
 from tandem.router.forwarding import read_request
-from tandem.router.policy import RouteRequest, WorkerState, prompt_text
+from tandem.router.policy import RouteRequest, WorkerState, prompt_text, session_of
 from tandem.router.pool import WorkerPool
 from tandem.server.errors import APIError, bad_request, server_error, unavailable
 from tandem.server.security import Access, AccessGate
@@ -108,6 +108,11 @@ class RouterMetrics:
             ["action"],
             registry=r,
         )
+        self.session_moves = Counter(
+            "tandem:router_session_moves",
+            "Agent sessions reopened on another worker (theirs died, or affinity yielded)",
+            registry=r,
+        )
         self.worker_hit_rate = Gauge(
             "tandem:router_worker_prefix_hit_rate",
             "Prefix-cache hit rate each worker reports (its own counters)",
@@ -123,11 +128,12 @@ class Router:
         self.metrics = RouterMetrics()
         self.supervisor = None  # router/supervisor.py's LocalSupervisor, with --autoscale
         self.attainment = AttainmentWindow()  # SLO attainment per class, the last minute
+        self.opened: dict[str, bytes] = {}  # agent session -> its open body, to reopen it
 
     async def complete(self, path: str, request: Request) -> Response:
         raw, body, headers = await read_request(request)
         stream = isinstance(body, dict) and body.get("stream") is True
-        route = RouteRequest(prompt_text(body))
+        route = RouteRequest(prompt_text(body), session_of(body, headers))
         result = await cancel_on_disconnect(
             request.receive, self._attempts(path, raw, headers, stream, route)
         )
@@ -154,6 +160,8 @@ class Router:
 
     async def _try(self, worker: WorkerState, path, raw, headers, stream, route):
         """The worker's answer, or None when it failed before its first token (retry)."""
+        if route.session is not None:
+            await self._follow_session(worker, route.session, headers)
         receipt = self.pool.policy.routed(worker, route)
         self.metrics.requests.labels(worker.id).inc()
         self.pool.workers[worker.id].requests += 1
@@ -196,6 +204,58 @@ class Router:
                 worker.in_flight -= 1
                 if response is not None:
                     response.release()  # unread (an error, a cancel): its connection closes
+
+    # ---- agent sessions: opened on one worker, their turns kept there ---------------------
+    async def open_session(self, request: Request) -> Response:
+        """Open the session on the worker the policy picks, and bind it there."""
+        raw, body, headers = await read_request(request)
+        for worker in self.pool.order(RouteRequest("")):
+            try:
+                r = await self.client.post(f"{worker.url}/open_session", content=raw,
+                                           headers=headers, timeout=10)  # fmt: skip
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200:
+                sid = r.json()
+                opened = dict(body) if isinstance(body, dict) else {}
+                self.opened[sid] = json.dumps({**opened, "session_id": sid}).encode()
+                self.pool.policy.bind(sid, worker.id)
+            return Response(r.content, r.status_code, media_type="application/json")
+        return unavailable("no worker is reachable").response()
+
+    async def close_session(self, request: Request) -> Response:
+        raw, body, headers = await read_request(request)
+        sid = body.get("session_id") if isinstance(body, dict) else None
+        home = self.pool.policy.worker_of(sid) if isinstance(sid, str) else None
+        order = self.pool.order(RouteRequest(""))
+        for worker in sorted(order, key=lambda w: w.id != home):
+            try:
+                r = await self.client.post(f"{worker.url}/close_session", content=raw,
+                                           headers=headers, timeout=10)  # fmt: skip
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200 and isinstance(sid, str):
+                self.opened.pop(sid, None)
+                self.pool.policy.unbind(sid)
+            return Response(r.content, r.status_code, media_type="application/json")
+        return unavailable("no worker is reachable").response()
+
+    async def _follow_session(self, worker: WorkerState, sid: str, headers: dict) -> None:
+        """A turn going to another worker than its session's (that one died, or affinity
+        yielded to the load): open the session there first, so the turn is served (with a
+        cold cache) instead of refused. A session the router never opened is left alone."""
+        opened = self.opened.get(sid)
+        if opened is None or self.pool.policy.worker_of(sid) in (None, worker.id):
+            return
+        try:
+            r = await self.client.post(f"{worker.url}/open_session", content=opened,
+                                       headers=headers, timeout=10)  # fmt: skip
+        except httpx.HTTPError as e:
+            log.warning("router: reopening session %s on %s: %s", sid, worker.id, e)
+            return
+        if r.status_code in (200, 409):  # (409: it is open there already)
+            self.metrics.session_moves.inc()
+            log.info("router: session %s moved to worker %s", sid, worker.id)
 
     def _session(self) -> aiohttp.ClientSession:
         """The worker connections, opened in the serving loop. aiohttp, not httpx: through
@@ -396,12 +456,20 @@ def build_app(
         Route("/ping", health),  # vLLM's alias of /health
         Route("/metrics", metrics),
         *(_worker_routes(router.pool) if router is not None else ()),
+        *(_session_routes(router) if router is not None else ()),
     ]
     return Starlette(
         routes=routes,
         middleware=[Middleware(AccessGate, access=access, registry=registry)],
         exception_handlers={APIError: api_error, Exception: unexpected},
     )
+
+
+def _session_routes(router: Router) -> list[Route]:
+    return [
+        Route("/open_session", router.open_session, methods=["POST"]),
+        Route("/close_session", router.close_session, methods=["POST"]),
+    ]
 
 
 def _worker_routes(pool: WorkerPool) -> list[Route]:

@@ -184,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
         router = Router(pool, config, client)
         if args.autoscale:
             router.supervisor = _supervisor(args, router, client)
-        policy = AccessPolicy(user=("/v1", "/workers"), admin=("/workers",),
+        policy = AccessPolicy(user=("/v1", "/workers", "/open_session", "/close_session"),
+                              admin=("/workers",),
                               admin_methods=("POST", "DELETE"),
                               admin_open=args.enable_worker_updating,
                               admin_flag="--enable-worker-updating")  # fmt: skip

@@ -6,7 +6,7 @@ import json
 
 from starlette.requests import Request
 
-FORWARDED = ("authorization", "content-type")  # headers the workers see
+FORWARDED = ("authorization", "content-type", "x-session-id")  # headers the workers see
 
 
 async def read_request(request: Request) -> tuple[bytes, object, dict[str, str]]:

@@ -42,6 +42,7 @@ class WorkerState:
 @dataclass(frozen=True)
 class RouteRequest:
     text: str  # the prompt as the router sees it (completions prompt, or chat messages)
+    session: str | None = None  # the agent session it is a turn of (SessionAffinity's)
 
     @property
     def tokens(self) -> int:
@@ -212,6 +213,80 @@ class CostAware(PrefixAware):
         return sorted(by_load, key=lambda w: self.predicted_ttft(w, request))
 
 
+class SessionAffinity:
+    """A turn of an agent session goes to the worker its session lives on (exact ids: a
+    dict, never a prefix match), ahead of whatever the inner policy prefers; a session's first
+    turn, or one whose worker is gone, goes where the inner policy says and is bound there.
+    The binding yields when it would make the load too uneven: past `max_load_ratio` times
+    the least loaded worker's load (plus `slack` requests) the inner policy decides."""
+
+    def __init__(
+        self, inner: RoutingPolicy, max_load_ratio: float = 2.0, slack: int = 4,
+        capacity: int = 100_000,
+    ) -> None:  # fmt: skip
+        self.inner, self.max_load_ratio, self.slack = inner, max_load_ratio, slack
+        self.reads_text = inner.reads_text
+        self.bound: OrderedDict[str, str] = OrderedDict()  # session -> worker id, LRU
+        self.capacity = capacity
+
+    def __getattr__(self, name: str):
+        """What the inner policy exposes (its prefix trees and hit counts), as its own."""
+        if name == "inner":  # (not set yet: unpickling, copying)
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def worker_of(self, session: str) -> str | None:
+        return self.bound.get(session)
+
+    def bind(self, session: str, worker_id: str) -> None:
+        self.bound[session] = worker_id
+        self.bound.move_to_end(session)
+        while len(self.bound) > self.capacity:
+            self.bound.popitem(last=False)
+
+    def unbind(self, session: str) -> None:
+        self.bound.pop(session, None)
+
+    def rank(self, workers, request):
+        order = self.inner.rank(workers, request)
+        home = self.bound.get(request.session) if request.session else None
+        mine = next((w for w in order if w.id == home), None)
+        if mine is None:
+            return order
+        least = min(w.load for w in order)
+        if mine.load > self.max_load_ratio * least + self.slack:
+            return order  # too uneven: the session moves (its worker's KV stays behind)
+        return [mine] + [w for w in order if w is not mine]
+
+    def routed(self, worker, request) -> object:
+        if request.session:
+            self.bind(request.session, worker.id)
+        return self.inner.routed(worker, request)
+
+    def withdraw(self, worker_id, receipt) -> None:
+        self.inner.withdraw(worker_id, receipt)
+
+    def forget(self, worker_id) -> None:
+        for session in [s for s, w in self.bound.items() if w == worker_id]:
+            del self.bound[session]
+        self.inner.forget(worker_id)
+
+
+def session_of(body, headers) -> str | None:
+    """The agent session a request names, as tandem serve reads it: `session_id`, SGLang's
+    `session_params.id`, or the `x-session-id` header."""
+    if isinstance(body, dict):
+        if isinstance(body.get("session_id"), str):
+            return body["session_id"]
+        params = body.get("session_params")
+        if isinstance(params, dict) and isinstance(params.get("id"), str):
+            return params["id"]
+    for name, value in headers.items():
+        if name.lower() == "x-session-id":
+            return value
+    return None
+
+
 def prompt_text(body) -> str:
     """What the router sees of a prompt, for prefix-aware routing."""
     if not isinstance(body, dict):
@@ -236,7 +311,12 @@ def prompt_text(body) -> str:
 POLICIES = ("round_robin", "least_load", "prefix_aware", "cost")
 
 
-def build_policy(name: str, cost_model: CostModel | None = None) -> RoutingPolicy:
+def build_policy(name: str, cost_model: CostModel | None = None) -> SessionAffinity:
+    """The named policy, inside session affinity (requests without a session pass through)."""
+    return SessionAffinity(_inner_policy(name, cost_model))
+
+
+def _inner_policy(name: str, cost_model: CostModel | None) -> RoutingPolicy:
     if name == "round_robin":
         return RoundRobin()
     if name == "least_load":

@@ -240,7 +240,9 @@ def test_the_simulator_runs_the_classes_tandem_serve_runs(tmp_path):
         assert type(inst.core) is EngineCore
         assert type(inst.core.scheduler) is Scheduler
         assert type(inst.core.scheduler.kv) is KVCacheManager
-    assert type(sim.policy) is policy.PrefixAware
+    # the router's: its policy inside session affinity
+    assert type(sim.policy) is policy.SessionAffinity
+    assert type(sim.policy.inner) is policy.PrefixAware
 
 
 def test_the_same_seed_gives_the_same_result_byte_for_byte(tmp_path):
