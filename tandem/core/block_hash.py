@@ -37,6 +37,7 @@ class BlockHasher:
         # own digest (of its weights), so an adapter's KV has one name in every instance
         # that loads it, under whatever id, and never another adapter's or the base model's.
         self._adapters: dict[int, bytes] = {}
+        self.versions: dict[int, str] = {}  # weight epoch -> version (set_weights)
 
     def add_adapter(self, lora_id: int, digest: bytes) -> None:
         self._adapters[lora_id] = model_seed(self.seed, digest)
@@ -65,4 +66,13 @@ class BlockHasher:
         """The chain's root: the model's (or the adapter's) seed, and the salt where the
         request has one, so a tenant's blocks have names of their own in a shared tier too."""
         root = self._adapters.get(request.lora_id, self.seed)
+        if request.weight_epoch:  # pushed weights (RL): named by their version and epoch
+            version = self.versions.get(request.weight_epoch, "")
+            root = model_seed(root, "weights", request.weight_epoch, version)
         return root if request.cache_salt is None else model_seed(root, request.cache_salt)
+
+    def set_weights(self, epoch: int, version: str) -> None:
+        """The weights of `epoch` are version `version`: their blocks' names root in both (two
+        instances that took the same updates name the same KV alike in a shared tier; an
+        update that keeps the version string still renames every block)."""
+        self.versions[epoch] = version

@@ -68,6 +68,9 @@ class KVCacheManager:
             if self.cache is not None
             else None
         )
+        # Weight updates (RL): each request keys its blocks by the epoch of the weights it was
+        # admitted under, so KV computed under older weights never matches a newer request.
+        self.weight_epoch = 0
 
     # ---- capacity ---------------------------------------------------------------
     @property
@@ -91,6 +94,9 @@ class KVCacheManager:
     def match_prefix(self, request: Request) -> list[Node]:
         """Cached full blocks covering a prefix of the request's tokens. At least the last
         token is left to compute, so the model yields logits to sample from."""
+        if request.weight_epoch != self.weight_epoch and not request.block_ids:
+            # admitted (or readmitted after preemption) under newer weights: computed anew
+            request.weight_epoch, request.block_hashes = self.weight_epoch, []
         if self.cache is None:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -99,6 +105,13 @@ class KVCacheManager:
     def record_lookup(self, num_queried: int, num_hit: int) -> None:
         self.stats.queries += num_queried
         self.stats.hits += num_hit
+
+    def new_weight_epoch(self) -> int:
+        """New weights: requests admitted from now on match only KV computed under them.
+        The old blocks stay until evicted (or reset_prefix_cache); no pin holds them."""
+        self.weight_epoch += 1
+        self.expire_pins(float("inf"))
+        return self.weight_epoch
 
     # ---- sessions: prefixes pinned between turns -----------------------------------
     def pin_prefix(self, owner: str, request: Request, until: float) -> int:
@@ -305,10 +318,11 @@ def _keyed(request: Request, tokens: list[int]) -> list[int]:
     model's for the same tokens, so its keys are moved past every token id (ids are below
     2**32) by the adapter's id, and two adapters (or an adapter and the base) never share a
     block; a cache_salt moves them further (64 bits of its digest, past any adapter id), so
-    requests share blocks only within one salt."""
+    requests share blocks only within one salt, and one weight epoch."""
     shift = request.lora_id << 32
     if request.cache_salt is not None:
         shift += salt_key(request.cache_salt) << 64
+    shift += request.weight_epoch << 128  # the weights it runs on (new_weight_epoch)
     return tokens if not shift else [t + shift for t in tokens]
 
 

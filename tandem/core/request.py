@@ -85,6 +85,9 @@ class Request:
         # prefix for the session, session_ttl seconds (core/pins.py).
         self.session_id: str | None = None
         self.session_ttl = 0.0
+        # The weights it was admitted under (KVCacheManager.new_weight_epoch): its blocks are
+        # keyed by them, so no request under other weights shares them.
+        self.weight_epoch = 0
         # Its compiled grammar (structured output; opaque here), held from admission so
         # the runner makes its matcher from it whatever the compile cache has dropped.
         self.grammar = None

@@ -443,6 +443,14 @@ class Scheduler:
                     self.kv.trim(req, req.num_tokens)
         return finished
 
+    def preempt_running(self) -> list[str]:
+        """Send every running request back to wait with its KV dropped, to be computed anew
+        (after a weight update that asks for it); -> their ids."""
+        victims = list(reversed(self.running))  # each goes to the front: order kept
+        for req in victims:
+            self._preempt(req)
+        return [r.request_id for r in victims]
+
     # ---- helpers ---------------------------------------------------------------
     def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:
         """A step's measured time, for a cost model that learns online."""

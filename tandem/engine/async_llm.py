@@ -35,6 +35,7 @@ from tandem.engine.messages import (
     RESERVE,
     SHUTDOWN,
     UNLOAD_LORA,
+    UTILITY,
     CoreFailed,
     CoreMessage,
     CoreOutputs,
@@ -43,6 +44,7 @@ from tandem.engine.messages import (
     EngineStats,
     KVTransferParams,
     LoRAOp,
+    UtilityCall,
 )
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.outputs import RequestOutput
@@ -223,6 +225,15 @@ class AsyncLLM:
         self.stats: EngineStats | None = None
         self.dead: str | None = None  # why the core died, once it has
         self._lora_ops: dict[str, asyncio.Future] = {}  # LoRA loads and unloads in flight
+        self._calls: dict[str, asyncio.Future] = {}  # control calls in flight (call_core)
+        # RL: the weights' version (each update's answer sets it, before the outputs of the
+        # steps after it are read), and generation paused: new requests are held here
+        # (request id -> their messages) until resume
+        self.weight_version = "default"
+        self.report_weight_version = False  # put it on every output (the server's RL mode)
+        self.paused: str | None = None  # the pause's mode
+        self.sleeping = 0  # the sleep level (0: awake); new requests are held meanwhile
+        self._held: dict[str, list[tuple[bytes, bytes]]] = {}
         self._collectors: dict[str, _Collector] = {}
         self._unscheduled: set[str] = set()  # child ids sent to the core, no token yet
         self._reservations: dict[str, asyncio.Future] = {}  # child id -> held tokens
@@ -355,7 +366,11 @@ class AsyncLLM:
             if remote_prefill:
                 future = self._reservations[creq.request_id] = loop.create_future()
                 stream.reservations.append((creq.request_id, future))
-            self._send(RESERVE if remote_prefill else ADD, payload)
+            kind = RESERVE if remote_prefill else ADD
+            if self.paused or self.sleeping:
+                self._held.setdefault(request_id, []).append((kind, payload))
+            else:
+                self._send(kind, payload)
         return stream
 
     def _release(self, request_id: str, abort: bool) -> None:
@@ -391,7 +406,81 @@ class AsyncLLM:
         if error:
             raise ValueError(error)
 
+    # ---- control calls (RL): pause, resume, weight updates, cache resets ------------------
+    async def call_core(self, method: str, timeout: float, **args) -> dict:
+        """Run a control call in the core between two steps; -> its result. A ValueError
+        says why it could not; TimeoutError past `timeout` seconds (the call may still run)."""
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        op_id = uuid.uuid4().hex
+        future = self._calls[op_id] = asyncio.get_running_loop().create_future()
+        self._send(UTILITY, self._encoder.encode(UtilityCall(op_id, method, args)))
+        try:
+            error, result = await asyncio.wait_for(future, timeout)
+        finally:
+            self._calls.pop(op_id, None)
+        if error:
+            raise ValueError(error)
+        return result or {}
+
+    async def pause(self, mode: str, timeout: float, recompute_kv: bool = False) -> dict:
+        """Hold new requests here until resume; then "abort" ends every request in flight
+        (finish_reason "abort"), "keep" holds them in the core with their KV, "wait" returns
+        once they have finished. A pause that times out is undone."""
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"mode: {mode!r} is not one of abort, wait, keep")
+        self.paused = mode
+        try:
+            if mode != "wait":
+                return await self.call_core("pause", timeout, mode=mode, recompute_kv=recompute_kv)
+            deadline = time.monotonic() + timeout
+            while set(self._collectors) - set(self._held):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"requests still running after {timeout:g} s")
+                await asyncio.sleep(0.01)
+            return {"num_aborted": 0, "num_held": 0}
+        except BaseException:
+            await self.resume(timeout)
+            raise
+
+    async def resume(self, timeout: float) -> None:
+        """Continue: the core steps again, the held requests go to it in arrival order."""
+        if self.paused in ("abort", "keep") and not self.dead:
+            await self.call_core("resume", timeout)
+        self.paused = None
+        self._release_held()
+
+    async def sleep(self, level: int, timeout: float) -> dict:
+        """Free the core's memory (level 1: the KV pool; 2: the model too) while no request
+        is in flight; new ones are held until wake_up. -> what the core measured."""
+        if set(self._collectors) - set(self._held):
+            raise ValueError("sleep: requests are in flight; pause (mode abort or wait) first")
+        result = await self.call_core("sleep", timeout, level=level)
+        self.sleeping = result["level"]
+        return result
+
+    async def wake_up(self, timeout: float) -> dict:
+        result = await self.call_core("wake_up", timeout) if self.sleeping else {}
+        self.sleeping = 0
+        self._release_held()
+        return result
+
+    def _release_held(self) -> None:
+        """Send the held requests in arrival order, unless paused or asleep still."""
+        if self.paused or self.sleeping:
+            return
+        held, self._held = self._held, {}
+        for messages in held.values():
+            for kind, payload in messages:
+                self._send(kind, payload)
+
     def abort(self, request_id: str) -> None:
+        if self._held.pop(request_id, None) is not None:  # never sent: nothing to stop there
+            self._unscheduled.difference_update(self.processor.child_ids(request_id))
+            self.processor.abort(request_id)
+            if self.observer is not None:
+                self.observer.on_abort(request_id)
+            return
         ids = self.processor.child_ids(request_id)
         self.processor.abort(request_id)
         self._unscheduled.difference_update(ids)
@@ -439,6 +528,12 @@ class AsyncLLM:
             future = self._lora_ops.pop(op_id, None)
             if future is not None and not future.done():
                 future.set_result(error)
+        for op_id, error, result in msg.utility_results:
+            if not error and isinstance(result, dict) and "weight_version" in result:
+                self.weight_version = result["weight_version"]  # for the outputs below
+            future = self._calls.get(op_id)
+            if future is not None and not future.done():
+                future.set_result((error, result))
         for child_id, held in msg.reserved:
             self._resolve_reservation(child_id, held)
         for child_id, reason in msg.rejected:
@@ -457,6 +552,8 @@ class AsyncLLM:
         if self.observer is not None:
             self.observer.on_outputs(results, _num_tokens(msg.outputs), time.monotonic())
         for output in results:
+            if self.report_weight_version:
+                output.weight_version = self.weight_version
             collector = self._collectors.get(output.request_id)
             if collector is not None:
                 collector.put(output)
@@ -488,6 +585,9 @@ class AsyncLLM:
         for future in self._lora_ops.values():
             if not future.done():
                 future.set_result(f"the engine is dead: {reason}")
+        for future in self._calls.values():
+            if not future.done():
+                future.set_result((f"the engine is dead: {reason}", None))
         self._lora_ops.clear()
         for collector in self._collectors.values():
             collector.fail(EngineDeadError(reason))

@@ -71,6 +71,8 @@ def build_engine(config: EngineConfig, clock=None):
         scheduler, loaded.runner, clock, eos, cpu_clock=time.process_time, kv_tiers=tiers,
         kv_events=publisher,
     )  # fmt: skip
+    if config.role == "both" and not config.enable_role_switching:  # (no KV sender wraps it)
+        core.rebuild_runner = lambda old: rebuild_runner(config, old)
     log.info(
         "engine ready: %s, %s on %s, weights %s, %d KV blocks of %d tokens (KV cache %s), "
         "max_model_len %d, %d tokens a step, scheduling %s, speculative decoding: %s, LoRA: %s, "
@@ -92,6 +94,24 @@ def build_engine(config: EngineConfig, clock=None):
         tiers.describe() if tiers else "off",
     )
     return core, loaded
+
+
+def rebuild_runner(config: EngineConfig, old):
+    """A new runner for a level-2 sleeper (its model dropped): the model loaded again from
+    `config`, with what the old runner had besides (LoRA adapters, the grammar compiler,
+    the draft proposer). The KV pool is new, the same size."""
+    from tandem.runner.builder import build_model_runner
+
+    runner = build_model_runner(config).runner
+    if old.lora_state is not None:
+        max_loras, max_rank, adapters = old.lora_state
+        runner.enable_lora(max_loras, max_rank)
+        for lora_id, weights in adapters.items():
+            runner.add_lora(lora_id, weights)
+    if old.grammars is not None:
+        runner.enable_structured_outputs(old.grammars)
+    runner.proposer = old.proposer
+    return runner
 
 
 def build_kv_tiers(config: EngineConfig, loaded):

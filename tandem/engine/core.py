@@ -21,6 +21,7 @@ from collections.abc import Callable
 from tandem.core.request import Request, RequestStatus
 from tandem.core.runner import RankFailed, Runner, RunnerOutput
 from tandem.core.scheduler import Scheduler, SchedulerOutput
+from tandem.engine.heap import resident_bytes
 from tandem.engine.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 
 log = logging.getLogger("tandem")
@@ -65,6 +66,12 @@ class EngineCore:
         # model's prediction, and the gaps between them (benchmarks/sim_validation.py)
         path = os.environ.get("TANDEM_STEP_LOG")
         self.step_log = open(path, "a", buffering=1) if path else None
+        # RL (update_weights, pause): the weights' version, and whether steps are held
+        self.weight_version = "default"
+        self.paused = False
+        self.sleeping = 0  # the sleep level (0: awake)
+        # a level-2 sleeper's new runner (engine/builder.py; None: cannot wake from level 2)
+        self.rebuild_runner: Callable | None = None
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -160,6 +167,9 @@ class EngineCore:
 
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        if self.paused or self.sleeping:  # (keep: running requests hold their KV till resume)
+            self.stalled = True
+            return []
         t0 = self.clock()
         self.scheduler.kv.expire_pins(t0)  # (the idle loop expires them too)
         if self.kv_tiers is not None:
@@ -418,8 +428,100 @@ class EngineCore:
         kv = self.scheduler.kv
         return {h for h in (kv.hasher, kv.events.hasher if kv.events else None) if h is not None}
 
+    # ---- RL: weights from a trainer, pause and resume, cache resets ---------------------
+    def update_weights(
+        self,
+        tensors: dict,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        recompute_kv: bool = False,
+    ) -> int:
+        """New weights, between two steps: checkpoint-named float tensors, all checked before
+        any is written (a ValueError naming the tensor leaves the old weights). Requests
+        admitted from now on never match KV of older weights; running ones keep theirs
+        (off-policy), or with `recompute_kv` compute it anew. flush_cache: free the older
+        weights' cached blocks now rather than as they are evicted. -> tensors written."""
+        count = self.runner.update_weights(tensors)
+        if weight_version is not None:
+            self.weight_version = weight_version
+        kv = self.scheduler.kv
+        epoch = kv.new_weight_epoch()
+        for hasher in self._hashers():
+            hasher.set_weights(epoch, self.weight_version)
+        if recompute_kv:
+            self.scheduler.preempt_running()
+        if flush_cache:
+            kv.reset_prefix_cache()
+        self.stalled = False
+        return count
+
+    def pause(self, mode: str) -> list[EngineCoreOutput]:
+        """Hold generation: "keep" holds the running requests with their KV until resume;
+        "abort" ends every request now (finish_reason "abort", their tokens so far already
+        sent). -> the aborted requests' last outputs. (vLLM's "wait", letting them finish, is
+        the front end's: it holds new requests and waits for the rest.)"""
+        if mode not in ("keep", "abort"):
+            raise ValueError(f"mode: {mode!r} is not one of keep, abort")
+        outputs = []
+        if mode == "abort":
+            ids = [*self.scheduler.requests, *self.compiling]
+            for rid in self.compiling:
+                outputs.append(EngineCoreOutput(rid, [], finish_reason="abort"))
+            self.compiling.clear()
+            finished = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            outputs += [EngineCoreOutput(r.request_id, [], finish_reason="abort") for r in finished]
+            self._pin_sessions(finished)
+        self.paused = True
+        return outputs
+
+    def resume(self) -> None:
+        self.paused, self.stalled = False, False
+
+    def sleep(self, level: int) -> dict:
+        """Free memory while a trainer runs: level 1 gives the KV pool's pages back, level 2
+        drops the model too (wake_up loads it again, at the checkpoint's weights). Refused
+        while requests are in flight. -> the resident memory before and after (measured:
+        the call returns once it is released)."""
+        if level not in (1, 2):
+            raise ValueError(f"level: {level!r} must be 1 or 2")
+        if level == 2 and self.rebuild_runner is None:
+            raise ValueError("level: 2 needs a runner that can be built again; use level 1")
+        if self.has_unfinished():
+            raise ValueError(
+                "sleep: requests are in flight; pause generation (mode abort or wait) first"
+            )
+        before = resident_bytes()
+        self.reset_prefix_cache()
+        self.runner.sleep(max(level, self.sleeping))
+        self.sleeping = max(level, self.sleeping)
+        after = resident_bytes()
+        return {"level": self.sleeping, "rss_before": before, "rss_after": after,
+                "freed_bytes": before - after}  # fmt: skip
+
+    def wake_up(self) -> dict:
+        """Back from sleep; from level 2 with the checkpoint's weights (version "default",
+        and no KV of the weights before matches). -> the resident memory after."""
+        if self.sleeping == 2:
+            self.runner = self.rebuild_runner(self.runner)
+            self.weight_version = "default"
+            epoch = self.scheduler.kv.new_weight_epoch()
+            for hasher in self._hashers():
+                hasher.set_weights(epoch, self.weight_version)
+        self.sleeping, self.stalled = 0, False
+        return {"rss_after": resident_bytes(), "weight_version": self.weight_version}
+
     def reset_prefix_cache(self) -> int:
-        return self.scheduler.kv.reset_prefix_cache()
+        """Drop every cached block (and pin): -> how many were freed. A ValueError while a
+        request holds blocks: its KV cannot go, so the cache could not be emptied."""
+        busy = self.scheduler.num_seated
+        if busy:
+            raise ValueError(
+                f"reset_prefix_cache: {busy} request(s) hold KV blocks; pause generation "
+                "(mode abort) or let them finish first"
+            )
+        kv = self.scheduler.kv
+        kv.expire_pins(float("inf"))
+        return kv.reset_prefix_cache()
 
 
 def _shed_output(req: Request) -> EngineCoreOutput:

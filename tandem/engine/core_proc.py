@@ -36,12 +36,14 @@ from tandem.engine.messages import (
     RESERVE,
     SHUTDOWN,
     UNLOAD_LORA,
+    UTILITY,
     CoreFailed,
     CoreOutputs,
     CoreReady,
     EngineCoreOutput,
     EngineCoreRequest,
     LoRAOp,
+    UtilityCall,
 )
 from tandem.logs import setup_logging
 
@@ -78,6 +80,12 @@ class EngineCoreProc:
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
         self.loading: dict[str, tuple[LoRAOp, Future]] = {}
         self.lora_results: list[tuple[str, str]] = []
+        self.utility_decoder = msgspec.msgpack.Decoder(UtilityCall)
+        self.utility_results: list[tuple[str, str, object]] = []
+        # slow control calls (SLOW_UTILITIES) waiting off the step loop (the loader's
+        # thread): op id -> (their work, what applies its result between steps)
+        self.updating: dict[str, tuple[Future, object]] = {}
+        self.weight_group = None  # a trainer's torch.distributed group (runner/weight_sync.py)
         self.stopping = False
 
     def run(self) -> None:
@@ -105,7 +113,7 @@ class EngineCoreProc:
                 if self.inbox in ready:
                     break
                 handled = self._take_kv() if self.kv is not None else 0
-                handled += self._finish_loads()
+                handled += self._finish_loads() + self._finish_updates()
                 handled += self._finish_compiles()
                 handled += len(self.core.expire_sessions())  # freed blocks: stats go out
                 self._exit_if_orphaned()
@@ -114,7 +122,7 @@ class EngineCoreProc:
             self._exit_if_orphaned()
         if self.kv is not None:
             handled += self._take_kv()
-        handled += self._finish_loads()
+        handled += self._finish_loads() + self._finish_updates()
         handled += self._finish_compiles()
         while True:
             try:
@@ -136,7 +144,7 @@ class EngineCoreProc:
         return before - len(self.core.compiling)
 
     def _wait_ms(self) -> int:
-        if self.loading or self.core.compiling:  # look again soon: a load may finish
+        if self.loading or self.updating or self.core.compiling:  # look again soon
             return _LOAD_POLL_MS
         due = self.kv.next_deadline_in() if self.kv is not None else None
         return _IDLE_POLL_MS if due is None else max(1, min(_IDLE_POLL_MS, int(due * 1000) + 1))
@@ -152,6 +160,109 @@ class EngineCoreProc:
             except Exception as e:
                 self.lora_results.append((op_id, _reason(e)))
         return len(done)
+
+    # ---- control calls (RL): between two steps ---------------------------------------------
+    def _utility(self, call: UtilityCall) -> None:
+        try:
+            slow = SLOW_UTILITIES.get(call.method)
+            if slow is not None:  # its waiting (reads, a rendezvous, a broadcast) off the loop
+                work, finish = slow(self, **call.args)
+                self.updating[call.op_id] = (self.loader.submit(work), finish)
+                return
+            handler = UTILITIES.get(call.method)
+            if handler is None:
+                raise ValueError(f"method: no control call {call.method!r}")
+            result = handler(self, **call.args)
+        except Exception as e:
+            self.utility_results.append((call.op_id, _reason(e), None))
+            return
+        self.utility_results.append((call.op_id, "", result))
+
+    def _finish_updates(self) -> int:
+        """Finish the slow control calls whose waiting is done (apply what they brought)."""
+        done = [op_id for op_id, (f, _) in self.updating.items() if f.done()]
+        for op_id in done:
+            work, finish = self.updating.pop(op_id)
+            try:
+                self.utility_results.append((op_id, "", finish(work.result())))
+            except Exception as e:
+                self.utility_results.append((op_id, _reason(e), None))
+        return len(done)
+
+    def _update_weights(self, tensors, weight_version=None, flush_cache=True, recompute_kv=False):
+        count = self.core.update_weights(tensors, weight_version, flush_cache, recompute_kv)
+        return {"weight_version": self.core.weight_version, "num_tensors": count}
+
+    def _from_disk(self, model_path: str, **update):
+        """update_weights_from_disk: read, check and quantize off the loop; write between
+        steps."""
+        runner = self.core.runner
+        return (
+            lambda: runner.prepare_weights(runner.read_weights(model_path)),
+            lambda prepared: self._update_weights(prepared, **update),
+        )
+
+    def _init_group(self, timeout_s: float = 300.0, group_name: str = "", **where):
+        """init_weights_update_group: join the trainer's rendezvous off the loop."""
+        from tandem.runner.weight_sync import WeightSyncGroup
+
+        if self.weight_group is not None:
+            raise ValueError("a weight update group is open already: destroy it first")
+        self.core.runner.weight_updater()  # refused here, before the trainer waits on us
+        self.weight_group = "joining"
+
+        def done(group):
+            self.weight_group = group
+            return {"rank": group.rank}
+
+        def join():
+            try:
+                return WeightSyncGroup(**where, timeout_s=timeout_s)
+            except BaseException:
+                self.weight_group = None
+                raise
+
+        return join, done
+
+    def _from_distributed(self, names, dtypes, shapes, **update):
+        """update_weights_from_distributed: receive every tensor off the loop, then write."""
+        group = self.weight_group
+        if group is None or group == "joining":
+            raise ValueError("no weight update group: call init_weights_update_group first")
+
+        runner = self.core.runner
+
+        def receive():
+            try:
+                tensors = group.receive(names, dtypes, shapes)
+            except BaseException:
+                if not torch_distributed_initialized():
+                    self.weight_group = None  # torn down by the failure
+                raise
+            return runner.prepare_weights(tensors)  # quantized here, off the loop
+
+        return receive, lambda prepared: self._update_weights(prepared, **update)
+
+    def _destroy_group(self) -> dict:
+        group, self.weight_group = self.weight_group, None
+        if group is None or group == "joining":
+            raise ValueError("no weight update group is open")
+        group.close()
+        return {}
+
+    def _pause(self, mode: str, recompute_kv: bool = False) -> dict:
+        outputs = self.core.pause(mode)
+        if recompute_kv:  # SGLang's "retract": held requests compute their KV anew after
+            self.core.scheduler.preempt_running()
+        self.pending += outputs  # the aborted requests' ends go out with the answer
+        return {"num_aborted": len(outputs), "num_held": self.core.scheduler.num_running}
+
+    def _resume(self) -> dict:
+        self.core.resume()
+        return {}
+
+    def _reset_prefix_cache(self) -> dict:
+        return {"freed_blocks": self.core.reset_prefix_cache()}
 
     def _take_kv(self) -> int:
         outputs = self.kv.poll()
@@ -205,6 +316,8 @@ class EngineCoreProc:
                 self.lora_results.append((op.op_id, ""))
             except Exception as e:
                 self.lora_results.append((op.op_id, _reason(e)))
+        elif kind == UTILITY:
+            self._utility(self.utility_decoder.decode(frames[1]))
         elif kind == CLOSE_SESSION:
             self.core.close_session(frames[1].decode())
         elif kind == ABORT:
@@ -219,9 +332,11 @@ class EngineCoreProc:
         if self.sender is not None:
             stats.kv_bytes_sent = self.sender.bytes_sent
         msg = CoreOutputs(
-            self.pending + outputs, stats, self.rejected, self.reserved, self.lora_results
-        )
+            self.pending + outputs, stats, self.rejected, self.reserved, self.lora_results,
+            self.utility_results,
+        )  # fmt: skip
         self.rejected, self.reserved, self.pending, self.lora_results = [], [], [], []
+        self.utility_results = []
         self.outbox.send(self.encoder.encode(msg), copy=False)
 
     def _check_ranks(self) -> None:
@@ -235,6 +350,29 @@ class EngineCoreProc:
         if os.getppid() != self.parent_pid:
             log.warning("engine core: the server (pid %d) is gone; exiting", self.parent_pid)
             os._exit(1)
+
+
+# control calls by name (UtilityCall.method): each takes its call's args as keywords
+UTILITIES = {
+    "pause": EngineCoreProc._pause,
+    "resume": EngineCoreProc._resume,
+    "reset_prefix_cache": EngineCoreProc._reset_prefix_cache,
+    "destroy_weights_update_group": EngineCoreProc._destroy_group,
+    "sleep": lambda proc, level: proc.core.sleep(level),
+    "wake_up": lambda proc: proc.core.wake_up(),
+}
+# ... and those that wait (on files, a trainer): (work off the loop, finish on it)
+SLOW_UTILITIES = {
+    "update_weights_from_disk": EngineCoreProc._from_disk,
+    "init_weights_update_group": EngineCoreProc._init_group,
+    "update_weights_from_distributed": EngineCoreProc._from_distributed,
+}
+
+
+def torch_distributed_initialized() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized()
 
 
 def _reason(e: Exception) -> str:

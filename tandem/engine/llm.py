@@ -115,6 +115,29 @@ class LLM:
     def remove_lora(self, lora_int_id: int) -> None:
         self.engine.remove_lora(lora_int_id)
 
+    # ---- RL: new weights between generate calls ------------------------------------------
+    def update_weights(
+        self, weights=None, *, model_path: str | None = None, weight_version: str | None = None
+    ) -> int:
+        """Write new weights: `weights` (name, tensor) pairs or a dict in the checkpoint's
+        names (a trainer's `model.named_parameters()`), or an HF folder's (`model_path`).
+        A ValueError names a tensor that does not fit; the old weights then stay, all of
+        them. -> how many tensors were written."""
+        if (weights is None) == (model_path is None):
+            raise ValueError("update_weights: give weights or model_path, one of them")
+        runner = self.engine.runner
+        tensors = runner.read_weights(model_path) if model_path else dict(weights)
+        return self.engine.update_weights(tensors, weight_version)
+
+    @property
+    def weight_version(self) -> str:
+        return self.engine.weight_version
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block; -> True (nothing runs between generate calls)."""
+        self.engine.reset_prefix_cache()
+        return True
+
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
         params.check_for_model(self.model_config.vocab_size, self.config.max_logprobs)
         self.engine.scheduler.check_request(len(ids), params.max_tokens)

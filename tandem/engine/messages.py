@@ -28,6 +28,15 @@ CLOSE_SESSION = b"close_session"
 # LoRA adapters: LOAD_LORA (LoRAOp with a path), UNLOAD_LORA (LoRAOp without); the core
 # answers each in CoreOutputs.lora_results (op id, error; "" when it worked).
 LOAD_LORA, UNLOAD_LORA = b"load_lora", b"unload_lora"
+# A control call (UtilityCall: RL's weight updates, pause and resume, cache resets), run
+# between two steps; answered in CoreOutputs.utility_results (op id, error, result).
+UTILITY = b"utility"
+
+
+class UtilityCall(msgspec.Struct, array_like=True):
+    op_id: str
+    method: str  # one of core_proc.UTILITIES
+    args: dict = {}
 
 
 class LoRAOp(msgspec.Struct, array_like=True):
@@ -122,6 +131,9 @@ class CoreOutputs(msgspec.Struct, tag="out", array_like=True, omit_defaults=True
     rejected: list[tuple[str, str]] = []  # (request id, reason): adds the core refused
     reserved: list[tuple[str, int]] = []  # (request id, prompt tokens held; -1: no room)
     lora_results: list[tuple[str, str]] = []  # (op id, error; "": done)
+    # (op id, error ("": done), result): control calls answered, before this message's
+    # outputs: tokens below were computed after every call answered here
+    utility_results: list[tuple[str, str, object]] = []
 
 
 class CoreFailed(msgspec.Struct, tag="failed", array_like=True):

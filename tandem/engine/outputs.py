@@ -43,4 +43,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    weight_version: str | None = None  # the weights of its last tokens (RL; AsyncLLM sets it)
     metrics: RequestMetrics | None = field(default=None, repr=False)

@@ -41,6 +41,7 @@ from tandem.model.quantize import (
     use_int8_activations,
     use_rows_invariant,
 )
+from tandem.model.weight_update import WeightUpdater, checkpoint_shapes
 from tandem.runner.model_runner import ModelRunner
 
 log = logging.getLogger("tandem")
@@ -142,9 +143,20 @@ def _build(config, path, mcfg, method, gguf, dtype, device, max_model_len, shard
         model, runner_cfg, num_blocks, config.block_size, dtype, device, config.seed,
         config.kv_cache_dtype, batch_invariant,
     )  # fmt: skip
+    _enable_weight_updates(runner, model, path, dtype, shard)
     budget = step_token_budget(config, runner.chunks_in_place)
     return LoadedRunner(runner, path, mcfg, max_model_len, budget, num_blocks, dtype, device,
                         weights, kernel_rows(model, device))  # fmt: skip
+
+
+def _enable_weight_updates(runner, model, path: Path, dtype, shard) -> None:
+    """Give the runner its WeightUpdater, or the reason it has none."""
+    if shard is not None:
+        runner.weights_refusal = "the model is split over ranks (tensor or pipeline parallel)"
+    elif model.moe_blocks():
+        runner.weights_refusal = "a mixture of experts' prepacked experts cannot be updated yet"
+    else:
+        runner.weights = WeightUpdater(model, checkpoint_shapes(path), dtype)
 
 
 def kernel_rows(model, device: torch.device) -> KernelRows:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import mmap
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -54,6 +55,32 @@ def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     nbytes = math.prod(shape) * dtype.itemsize
     pages = mmap.mmap(-1, max(nbytes, 1))  # the tensor keeps the mapping alive
     return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
+@dataclass
+class PreparedWeights:
+    """New weights checked and in the model's forms, ready to be written (the writes)."""
+
+    writes: list
+    count: int  # the tensors they came from
+    model: object = None  # the model they were made for
+
+
+def release_pages(pool: torch.Tensor) -> None:
+    """Hand a zeroed_pool's pages back to the OS (madvise DONTNEED): resident memory drops
+    now, and the pool reads as zeros again, page by page as it is next written (what a
+    fresh pool is). Elsewhere (CUDA) the pool is zeroed instead."""
+    if pool.device.type != "cpu":
+        pool.zero_()
+        return
+    import ctypes
+
+    madv_dontneed = 4
+    nbytes = pool.numel() * pool.element_size()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if libc.madvise(pool.data_ptr(), nbytes, madv_dontneed) != 0:
+        pool.zero_()  # not a mapping of its own (it must be page-aligned): write zeros
 
 
 class ModelRunner:
@@ -149,6 +176,11 @@ class ModelRunner:
         # Where the model is split over ranks (tandem/distributed): the driver that sends each
         # step's ledger to the other ranks and runs this rank's stage; None: the model is whole.
         self.distributed = None
+        # RL weight updates (model/weight_update.py), set by the builder where they can run;
+        # else why not
+        self.weights = None
+        self.weights_refusal = "this model was not loaded from a checkpoint folder"
+        self.lora_state = None  # LoRA's slots and adapters, kept over a level-2 sleep
 
     def map_kv_pool(self) -> None:
         """Write zeros over the KV pool (and an 8-bit cache's scales) before anything is cached
@@ -164,7 +196,7 @@ class ModelRunner:
     def expert_load(self) -> list[int]:
         """Tokens routed to each expert so far, summed over the MoE layers (this rank
         routes every token: the router is whole on each); empty for a dense model."""
-        blocks = self.model.moe_blocks()
+        blocks = self.model.moe_blocks() if self.model is not None else []  # (asleep: none)
         return sum(b.routed for b in blocks).tolist() if blocks else []
 
     def check_alive(self) -> None:
@@ -177,6 +209,25 @@ class ModelRunner:
         if self.distributed is not None:
             self.distributed.close()
             self.distributed = None
+
+    # ---- sleep (RL: free memory while the trainer runs) ---------------------------------
+    def sleep(self, level: int) -> None:
+        """Level 1: give the KV pool's pages back (its contents are dropped: the engine
+        holds no request and has emptied its cache). Level 2: also drop the model; the
+        engine then builds a new runner to wake up (engine/builder.py: rebuild_runner)."""
+        for pool in (self.kv_cache, self.kv_scales):
+            if pool is not None:
+                release_pages(pool)
+        if level == 2:
+            from tandem.engine.heap import collect_all
+            from tandem.model.quantize import _return_freed_memory
+
+            if self.lora is not None:  # what a rebuilt runner loads again
+                self.lora_state = (self.lora.max_loras, self.lora.max_rank, dict(self.lora.adapters))  # fmt: skip
+            self.model = self.kv_cache = self.kv_scales = self.lora = self.weights = None
+            self.weights_refusal = "the engine is asleep (level 2): wake it up first"
+            collect_all()
+            _return_freed_memory()
 
     def enable_structured_outputs(self, compiler) -> None:
         from tandem.structured.masks import GrammarMasks
@@ -207,6 +258,47 @@ class ModelRunner:
 
     def remove_lora(self, lora_id: int) -> None:
         self.lora.remove(lora_id)
+
+    # ---- new weights from a trainer (RL), in place between two steps -------------------------
+    def weight_updater(self):
+        """The model's model.weight_update.WeightUpdater; a ValueError where there is none."""
+        if self.weights is None:
+            raise ValueError(f"weight updates: {self.weights_refusal}")
+        return self.weights
+
+    def read_weights(self, model_path: str) -> dict[str, torch.Tensor]:
+        """An HF checkpoint folder's tensors, checked against this model (off the step
+        loop: it only reads); a ValueError names what does not fit."""
+        from pathlib import Path
+
+        from tandem.model.weight_update import read_checkpoint
+
+        updater = self.weight_updater()
+        if not Path(model_path).is_dir():
+            raise ValueError(f"model_path: {model_path!r} is not a checkpoint folder")
+        tensors = dict(read_checkpoint(Path(model_path)))
+        for name, t in tensors.items():
+            updater.check(name, t.shape, t.dtype)
+        return tensors
+
+    def prepare_weights(self, tensors: dict[str, torch.Tensor]) -> PreparedWeights:
+        """Check checkpoint-named float tensors and compute what they make of the model's
+        layers (quantized again, repacked), writing nothing: safe off the step loop."""
+        return PreparedWeights(self.weight_updater().prepare(tensors), len(tensors), self.model)
+
+    def update_weights(self, tensors: dict[str, torch.Tensor] | PreparedWeights) -> int:
+        """Write new weights (tensors, or what prepare_weights made of them) between two
+        steps; -> how many tensors. The KV already computed stays: the engine keys new KV by
+        weight epoch."""
+        if not isinstance(tensors, PreparedWeights):
+            tensors = self.prepare_weights(tensors)
+        if self.weights is None:  # fell asleep since it was prepared
+            raise ValueError(f"weight updates: {self.weights_refusal}")
+        if tensors.model is not self.model:
+            raise ValueError("weight updates: the model was loaded again since; push again")
+        for write in tensors.writes:
+            write()
+        return tensors.count
 
     # ---- KV of a token range, layout-neutral (prefill/decode disaggregation) ---------------
     def export_kv(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:

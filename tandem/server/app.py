@@ -85,7 +85,9 @@ class Gate:
             self.state.in_flight -= 1
 
 
-def build_app(state: ServerState, access: Access | None = None) -> FastAPI:
+def build_app(
+    state: ServerState, access: Access | None = None, rl_endpoints: bool = False
+) -> FastAPI:
     serving = state.serving
     engine = serving.engine
     access = access or Access()
@@ -102,6 +104,11 @@ def build_app(state: ServerState, access: Access | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(serving, request)
+
+    if rl_endpoints:
+        from tandem.server.rl import add_rl_routes
+
+        add_rl_routes(app, engine)
 
     @app.post("/open_session")  # SGLang's: the new session's id, as a JSON string
     async def open_session(request: Request) -> Response:

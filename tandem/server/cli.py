@@ -54,6 +54,14 @@ def add_parser(sub) -> None:
         "to API keys (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 does the same)",
     )
     p.add_argument(
+        "--enable-rl-endpoints",
+        action="store_true",
+        help="the control endpoints of an RL rollout engine (/update_weights_from_disk, "
+        "/pause_generation, /reset_prefix_cache, ...: docs/rl.md); with --admin-api-key only "
+        "the admin key may call them, else any API key (vLLM's VLLM_SERVER_DEV_MODE=1 does "
+        "the same)",
+    )
+    p.add_argument(
         "--allowed-local-path",
         action="append",
         default=None,
@@ -257,6 +265,7 @@ async def _serve(args: argparse.Namespace, config, model: str | None, sock) -> i
     from tandem.server.errors import APIError
     from tandem.server.lora import parse_lora_modules
     from tandem.server.metrics import Metrics
+    from tandem.server.rl import POST_PATHS, rl_endpoints_enabled
     from tandem.server.security import Access, AccessPolicy, runtime_lora_updating
     from tandem.server.serving import Serving
 
@@ -293,19 +302,24 @@ async def _serve(args: argparse.Namespace, config, model: str | None, sock) -> i
                 raise ValueError(f"--lora-modules {name}: {e.message}") from None
             log.info("LoRA adapter %s loaded from %s", name, path)
         state = ServerState(serving, metrics)
+        rl = rl_endpoints_enabled(args.enable_rl_endpoints)
+        engine.report_weight_version = rl
         access = Access(
             args.keys,
             AccessPolicy(
                 user=("/v1", "/open_session", "/close_session"),
                 admin_open=runtime_lora_updating(args.enable_runtime_lora_updating),
-                flagged=(("/role", "--enable-role-switching", config.enable_role_switching),),
+                flagged=(
+                    ("/role", "--enable-role-switching", config.enable_role_switching),
+                    *((path, "--enable-rl-endpoints", True) for path in POST_PATHS if rl),
+                ),
             ),
             args.max_request_bytes,
             args.allowed_local_path,
         )
         server = _Server(
             uvicorn.Config(
-                build_app(state, access),
+                build_app(state, access, rl_endpoints=rl),
                 timeout_keep_alive=args.timeout_keep_alive,
                 **args.tls,
                 log_level=args.uvicorn_log_level,

@@ -106,7 +106,11 @@ class _Job:
             prefix = self.echo[i] if self.echo else ""
             for c in out.outputs:
                 lp = self._logprobs(c, 0, len(c.token_ids), len(prefix))
-                choices.append(self._choice(i * self.n + c.index, prefix + c.text, lp, c))
+                choice = self._choice(i * self.n + c.index, prefix + c.text, lp, c)
+                if self.req.return_token_ids:
+                    choice["prompt_token_ids"] = self.prompts[i].token_ids
+                    choice["token_ids"] = list(c.token_ids)
+                choices.append(choice)
         return self._chunk(choices, usage(self.prompts, finals))
 
     def _choice(self, index: int, text: str, logprobs, c: CompletionOutput | None) -> dict:

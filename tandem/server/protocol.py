@@ -227,9 +227,14 @@ class CompletionRequest(_SamplingRequest):
     logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
+    # vLLM's: each choice carries its prompt's and its own token ids (RL trainers score
+    # exactly the tokens sampled, never a re-tokenized text)
+    return_token_ids: bool = False
 
     def check(self) -> None:
         super().check()
+        if self.return_token_ids and self.stream:
+            raise bad_request("return_token_ids: not supported with stream", "return_token_ids")
         if self.suffix:
             raise bad_request("suffix: not supported", "suffix")
         if self.echo and self.logprobs is not None:

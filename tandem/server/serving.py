@@ -336,4 +336,6 @@ def usage(prompts: list[Prompt], outputs: list[RequestOutput]) -> dict:
         "total_tokens": prompt_tokens + completion_tokens,
         # OpenAI's field: prompt tokens whose KV came from the prefix cache or a KV tier
         "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outputs)},
+        # RL rollouts (--enable-rl-endpoints): the weights that produced the last tokens
+        **({"weight_version": outputs[-1].weight_version} if outputs[-1].weight_version else {}),
     }

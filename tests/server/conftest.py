@@ -238,6 +238,10 @@ def _launched(request, llama_path, tmp_path_factory):
             "events",
         )  # fmt: skip
         servers["events"].kv_events = (pub, replay)
+    if "rl_server" in wanted:  # an RL rollout engine's control endpoints
+        servers["rl"] = Server(
+            llama_path, ["--enable-rl-endpoints", "--max-num-seqs", "4"], logs, "rl"
+        )
     if "draining_server" in wanted:
         servers["draining"] = Server(llama_path, ["--shutdown-timeout", "120"], logs, "draining")
     yield servers
@@ -294,6 +298,12 @@ def events_server(_launched) -> Server:
     """--kv-events-config on ipc sockets (`.kv_events`: the PUB and replay addresses),
     --num-kv-blocks 24."""
     return _launched["events"].wait_ready()
+
+
+@pytest.fixture(scope="session")
+def rl_server(_launched) -> Server:
+    """--enable-rl-endpoints, --max-num-seqs 4."""
+    return _launched["rl"].wait_ready()
 
 
 @pytest.fixture(scope="session")
