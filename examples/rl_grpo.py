@@ -157,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     torch.manual_seed(0)
     texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)  # fmt: skip
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+        )  # fmt: skip
         for p in PROMPTS[: args.prompts]
     ]
     prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]

@@ -232,6 +232,7 @@ class AsyncLLM:
         self.weight_version = "default"
         self.report_weight_version = False  # put it on every output (the server's RL mode)
         self.paused: str | None = None  # the pause's mode
+        self._core_paused = False  # the core told to stop stepping (abort, keep)
         self.sleeping = 0  # the sleep level (0: awake); new requests are held meanwhile
         self._held: dict[str, list[tuple[bytes, bytes]]] = {}
         self._collectors: dict[str, _Collector] = {}
@@ -426,12 +427,18 @@ class AsyncLLM:
     async def pause(self, mode: str, timeout: float, recompute_kv: bool = False) -> dict:
         """Hold new requests here until resume; then "abort" ends every request in flight
         (finish_reason "abort"), "keep" holds them in the core with their KV, "wait" returns
-        once they have finished. A pause that times out is undone."""
+        once they have finished. A pause that fails (or times out) from running is undone."""
         if mode not in ("abort", "wait", "keep"):
             raise ValueError(f"mode: {mode!r} is not one of abort, wait, keep")
-        self.paused = mode
+        if mode == "wait" and self._core_paused:
+            raise ValueError(
+                "mode: wait cannot end while the core holds the running requests (a keep "
+                "pause); resume first, or pause with abort"
+            )
+        before, self.paused = self.paused, mode
         try:
             if mode != "wait":
+                self._core_paused = True  # (until resume says otherwise, whatever happens)
                 return await self.call_core("pause", timeout, mode=mode, recompute_kv=recompute_kv)
             deadline = time.monotonic() + timeout
             while set(self._collectors) - set(self._held):
@@ -440,13 +447,17 @@ class AsyncLLM:
                 await asyncio.sleep(0.01)
             return {"num_aborted": 0, "num_held": 0}
         except BaseException:
-            await self.resume(timeout)
+            if before is None:
+                await self.resume(timeout)
+            else:
+                self.paused = before
             raise
 
     async def resume(self, timeout: float) -> None:
         """Continue: the core steps again, the held requests go to it in arrival order."""
-        if self.paused in ("abort", "keep") and not self.dead:
+        if self._core_paused and not self.dead:
             await self.call_core("resume", timeout)
+        self._core_paused = False
         self.paused = None
         self._release_held()
 
@@ -455,7 +466,13 @@ class AsyncLLM:
         is in flight; new ones are held until wake_up. -> what the core measured."""
         if set(self._collectors) - set(self._held):
             raise ValueError("sleep: requests are in flight; pause (mode abort or wait) first")
-        result = await self.call_core("sleep", timeout, level=level)
+        before, self.sleeping = self.sleeping, max(self.sleeping, level)  # hold from now on
+        try:
+            result = await self.call_core("sleep", timeout, level=level)
+        except BaseException:
+            self.sleeping = before
+            self._release_held()
+            raise
         self.sleeping = result["level"]
         return result
 
