@@ -2,7 +2,9 @@
 `tandem serve --enable-rl-endpoints` produces its rollouts, and the trained weights are
 pushed to the server over torch.distributed after every step.
 
-The reward is 1 when the answer names the target animal (default "cat"), else 0. Each step
+The reward (--reward) is brevity by default: 1 - the answer's tokens / --max-tokens, so an
+answer that ends sooner scores more (an answer cut at the limit scores 0); or, with
+`--reward word`, 1 when the answer names the --target word, else 0. Each step
 samples --group answers to each prompt (temperature 1, vLLM's `return_token_ids`, so the
 trainer scores exactly the tokens sampled), normalizes the rewards within each group
 (GRPO's advantage), takes one policy-gradient step on the answers' log-likelihoods, and
@@ -111,6 +113,12 @@ def rollouts(url: str, prompts: list[list[int]], group: int, max_tokens: int) ->
     ]  # fmt: skip
 
 
+def score(sample: dict, args) -> float:
+    if args.reward == "word":
+        return float(args.target in sample["text"].lower())
+    return 1 - len(sample["tokens"]) / args.max_tokens
+
+
 def advantages(rewards: list[float], group: int) -> list[float]:
     """GRPO's: each reward less its group's mean, over the group's deviation."""
     out = []
@@ -147,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--lr", type=float, default=2e-5)
-    ap.add_argument("--target", default="cat", help="the word the reward asks for")
+    ap.add_argument("--reward", choices=["short", "word"], default="short")
+    ap.add_argument("--target", default="cat", help="--reward word: the word it asks for")
     ap.add_argument("--json", default=None, help="write each step's figures here")
     args = ap.parse_args(argv)
     from tandem.model.loader import resolve_model
@@ -182,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             samples = rollouts(args.url, prompts, args.group, args.max_tokens)
             assert all(s["version"] in (None, f"grpo-{step - 1}") for s in samples)
-            rewards = [float(args.target in s["text"].lower()) for s in samples]
+            rewards = [score(s, args) for s in samples]
             t1 = time.perf_counter()
             optimizer.zero_grad()
             loss = policy_loss(model, samples, advantages(rewards, args.group))

@@ -233,13 +233,16 @@ class EngineCoreProc:
         runner = self.core.runner
 
         def receive():
+            # each layer quantized (or repacked) as soon as its tensors have come, off the loop
+            preparation = runner.weight_preparation()
             try:
-                tensors = group.receive(names, dtypes, shapes)
+                group.receive(names, dtypes, shapes, on_tensor=preparation.add)
             except BaseException:
+                preparation.close()
                 if not torch_distributed_initialized():
                     self.weight_group = None  # torn down by the failure
                 raise
-            return runner.prepare_weights(tensors)  # quantized here, off the loop
+            return runner.prepared(preparation)
 
         return receive, lambda prepared: self._update_weights(prepared, **update)
 

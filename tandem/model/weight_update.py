@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -97,36 +98,10 @@ class WeightUpdater:
         that install them (commit), each a copy or an assignment."""
         for name, t in tensors.items():
             self.check(name, t.shape, t.dtype)
-        writes: list[Callable[[], None]] = []
-        # transformed layers: their new rows, put into a whole weight below
-        staged: dict[str, list[tuple[object, torch.Tensor]]] = {}
+        preparation = Preparation(self)
         for name, t in tensors.items():
-            if self.tied and name == "lm_head.weight":
-                name = "model.embed_tokens.weight"  # one matrix; the last one given wins
-            target, _, index = _target_of(self.model, moe_param_name(name))
-            path, _, leaf = target.rpartition(".")
-            module = self._owner(path)
-            value = t.detach().to(self.dtype)
-            if leaf == "weight" and isinstance(module, (PackedLinear, QuantizedLinear)):
-                staged.setdefault(path, []).append((index, value))
-                continue
-            writes.append(functools.partial(_write, getattr(module, leaf).data, index, value))
-            tied_head = self.tied and target == "model.embed_tokens.weight"
-            if tied_head and isinstance(self.model.lm_head, PackedLinear):  # a packed copy
-                staged["lm_head"] = [(None, value)]
-        for path, rows in staged.items():
-            module = self._owner(path)
-            covered = sum(module.out_features if i is None else i.stop - i.start for i, _ in rows)
-            # every row new (a trainer pushes whole layers): nothing of the old to read back
-            weight = (
-                torch.empty(module.out_features, module.in_features, dtype=self.dtype)
-                if covered >= module.out_features
-                else current_weight(module, self.dtype)
-            )
-            for index, value in rows:
-                _write(weight, index, value)
-            writes.append(rebuilt(module, weight))
-        return writes
+            preparation.add(name, t)
+        return preparation.finish()
 
     def apply(self, tensors: dict[str, torch.Tensor]) -> int:
         """prepare, then commit; -> how many tensors were written."""
@@ -138,6 +113,66 @@ class WeightUpdater:
         if isinstance(module, QuantizedEmbedding):  # a quantized embedding is a head's rows
             module = module.source
         return getattr(module, "base", module)  # under a LoRA wrapper, the base layer
+
+
+class Preparation:
+    """prepare, a tensor at a time as they arrive (a trainer's broadcast): a transformed
+    layer whose rows have all come is quantized or repacked on a worker thread while the
+    next tensors arrive; finish() waits for them and returns the writes, in arrival order."""
+
+    def __init__(self, updater: WeightUpdater) -> None:
+        self.u = updater
+        self.writes: list[Future | Callable[[], None]] = []
+        self.staged: dict[str, list[tuple[object, torch.Tensor]]] = {}  # layers awaiting rows
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="weights")
+        self.count = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        u = self.u
+        u.check(name, t.shape, t.dtype)
+        self.count += 1
+        if u.tied and name == "lm_head.weight":
+            name = "model.embed_tokens.weight"  # one matrix; the last one given wins
+        target, _, index = _target_of(u.model, moe_param_name(name))
+        path, _, leaf = target.rpartition(".")
+        module = u._owner(path)
+        value = t.detach().to(u.dtype)
+        if leaf == "weight" and isinstance(module, (PackedLinear, QuantizedLinear)):
+            self._stage(path, module, index, value)
+            return
+        self.writes.append(functools.partial(_write, getattr(module, leaf).data, index, value))
+        tied_head = u.tied and target == "model.embed_tokens.weight"
+        if tied_head and isinstance(u.model.lm_head, PackedLinear):  # a packed copy of it
+            self._stage("lm_head", u.model.lm_head, None, value)
+
+    def _stage(self, path: str, module, index, value: torch.Tensor) -> None:
+        rows = self.staged.setdefault(path, [])
+        rows.append((index, value))
+        covered = sum(module.out_features if i is None else i.stop - i.start for i, _ in rows)
+        if covered >= module.out_features:  # all of it new: nothing of the old to read back
+            del self.staged[path]
+            self.writes.append(self.worker.submit(self._rebuilt, module, rows, whole=True))
+
+    def _rebuilt(self, module, rows, whole: bool) -> Callable[[], None]:
+        shape = (module.out_features, module.in_features)
+        weight = torch.empty(shape, dtype=self.u.dtype) if whole else current_weight(module, self.u.dtype)  # fmt: skip
+        for index, value in rows:
+            _write(weight, index, value)
+        return rebuilt(module, weight)
+
+    def finish(self) -> list[Callable[[], None]]:
+        """The writes, once every layer's new form is computed (a layer only partly
+        pushed: its other rows read back from the model)."""
+        for path, rows in self.staged.items():
+            self.writes.append(self.worker.submit(self._rebuilt, self.u._owner(path), rows, False))
+        self.staged = {}
+        try:
+            return [w.result() if isinstance(w, Future) else w for w in self.writes]
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=False, cancel_futures=True)
 
 
 def _write(dest: torch.Tensor, index, value: torch.Tensor) -> None:

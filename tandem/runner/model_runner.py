@@ -286,6 +286,17 @@ class ModelRunner:
         layers (quantized again, repacked), writing nothing: safe off the step loop."""
         return PreparedWeights(self.weight_updater().prepare(tensors), len(tensors), self.model)
 
+    def weight_preparation(self):
+        """A model.weight_update.Preparation: prepare_weights a tensor at a time, as a
+        trainer's broadcast brings them (prepared() makes PreparedWeights of it)."""
+        from tandem.model.weight_update import Preparation
+
+        return Preparation(self.weight_updater())
+
+    @staticmethod
+    def prepared(preparation) -> PreparedWeights:
+        return PreparedWeights(preparation.finish(), preparation.count, preparation.u.model)
+
     def update_weights(self, tensors: dict[str, torch.Tensor] | PreparedWeights) -> int:
         """Write new weights (tensors, or what prepare_weights made of them) between two
         steps; -> how many tensors. The KV already computed stays: the engine keys new KV by

@@ -79,15 +79,17 @@ class WeightSyncGroup:
                 f"failed: {type(e).__name__}: {e}"
             ) from None
 
-    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> dict:
-        """Every tensor the trainer broadcasts, in order; -> name -> tensor. On a failure
-        the group is torn down (its state is unknown) and the ValueError says what broke."""
+    def receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]], on_tensor=None) -> dict:  # fmt: skip
+        """Every tensor the trainer broadcasts, in order; -> name -> tensor. `on_tensor(name,
+        tensor)` sees each as it arrives (the first error it raises is raised once all have:
+        the trainer's broadcast must complete). On a broken broadcast the group is torn down
+        (its state is unknown) and the ValueError says what broke."""
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(
                 f"names: {len(names)} names, {len(dtypes)} dtypes and {len(shapes)} shapes"
             )
         kinds = [parse_dtype(d) for d in dtypes]
-        tensors = {}
+        tensors, error = {}, None
         for i, (name, dtype, shape) in enumerate(zip(names, kinds, shapes)):
             t = torch.empty(shape, dtype=dtype, device=self.device)
             try:
@@ -100,6 +102,13 @@ class WeightSyncGroup:
                     "group is closed and the old weights stay"
                 ) from None
             tensors[name] = t
+            if on_tensor is not None and error is None:
+                try:
+                    on_tensor(name, t)
+                except Exception as e:  # received on regardless, then refused
+                    error = e
+        if error is not None:
+            raise error
         return tensors
 
     def close(self) -> None:

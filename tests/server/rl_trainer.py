@@ -2,7 +2,7 @@
 model's weights to a tandem server over torch.distributed with the plain calls
 runner/weight_sync.py documents (init_process_group at rank 0, one broadcast per tensor, the
 HTTP calls sent from a thread without waiting). --die-after N exits mid-push, after N
-tensors. Prints one JSON line: the HTTP answers.
+tensors; --bad-name names the first tensor wrongly. Prints one JSON line: the HTTP answers.
 
     python -m tests.server.rl_trainer URL MODEL_FOLDER PORT [--version V] [--die-after N]
 """
@@ -40,6 +40,7 @@ def main() -> None:
     p.add_argument("--version", default="trained-1")
     p.add_argument("--die-after", type=int, default=None)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--bad-name", action="store_true", help="name the first tensor wrongly")
     args = p.parse_args()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
     thread, init = post_in_background(
@@ -52,6 +53,8 @@ def main() -> None:
     )
     thread.join()
     params = list(model.named_parameters())
+    if args.bad_name:
+        params[0] = ("model.nope.weight", params[0][1])
     thread, update = post_in_background(
         f"{args.url}/update_weights_from_distributed",
         {"names": [n for n, _ in params], "dtypes": [str(t.dtype) for _, t in params],

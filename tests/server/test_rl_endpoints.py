@@ -214,6 +214,18 @@ def test_a_trainer_dying_mid_push_leaves_the_old_weights_and_a_server_that_serve
     assert post(url, "/destroy_weights_update_group").status_code == 200
 
 
+def test_a_push_naming_a_tensor_the_model_lacks_is_received_then_refused(rl_server, other_weights):  # fmt: skip
+    url = rl_server.url
+    before = complete(url)["choices"]
+    version = httpx.get(f"{url}/get_weight_version").json()
+    answer = train_and_push(url, other_weights, "--bad-name", "--version", "bad")
+    update = answer["update"]  # the trainer's broadcast completed: nobody hangs
+    assert update["status"] == 400 and "model.nope.weight" in update["body"]["error"]["message"]
+    assert complete(url)["choices"] == before
+    assert httpx.get(f"{url}/get_weight_version").json() == version
+    assert post(url, "/destroy_weights_update_group").status_code == 200
+
+
 def test_bad_group_and_push_requests_are_400s_naming_the_field(rl_server):
     url = rl_server.url
     cases = [

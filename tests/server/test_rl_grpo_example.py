@@ -20,7 +20,7 @@ def test_the_grpo_example_trains_and_pushes_for_two_steps(llama_path, tmp_path):
     out = tmp_path / "history.json"
     cmd = [sys.executable, str(ROOT / "examples" / "rl_grpo.py"), "--model", str(llama_path),
            "--steps", "2", "--group", "3", "--prompts", "2", "--max-tokens", "6",
-           "--target", "a", "--json", str(out)]  # fmt: skip
+           "--reward", "word", "--target", "a", "--json", str(out)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     history = json.loads(out.read_text())
