@@ -45,6 +45,7 @@ ROWS = {
     "batch-invariant-c16": "`--batch-invariant` vs the default, random 256/128, 16 at once (offline): output tok/s",
     "moe-ep": "`-tp 2 --enable-expert-parallel` vs the whole MoE model on both cores, 32 running: decode tok/s",
     "agent-sessions": "Agents with sessions vs without, tool pauses 0.2-5 s under background traffic: mean TTFT of turns 2+ (below 1 is better)",
+    "rl-weight-push": "RL weight push of the default model in bf16 from a trainer process: a raw gloo broadcast's time over tandem's update call's, p50 (1 is the transfer alone)",
 }
 # CPU kinds as columns, in this order (others after them, by name).
 KINDS = ("amd-epyc-avx512-bf16", "intel-xeon-amx", "amd-epyc-avx2")
