@@ -10,8 +10,8 @@ have arrived). Then `tandem serve --enable-rl-endpoints` joins a group the same 
 /continue_generation. Reported: the raw push time, tandem's push time (the update call's)
 and pause time (pause to continue) at p50 and p99, and the bandwidth ratio (raw / tandem,
 p50: 1.0 means the update costs nothing past the transfer). Then a level-2 sleep and wake-up:
-the engine core's memory awake and asleep against a bare interpreter's with the same imports,
-and the wake-up time.
+the engine core's memory awake and asleep against its own before the model loaded (the
+interpreter and its imports), and the wake-up time.
 
     python benchmarks/rl_rollout.py [--pushes 10] [--model PATH] [--serve-args "..."]
 """
@@ -132,22 +132,13 @@ def tandem_pushes(url: str, tensors: dict, pushes: int) -> tuple[list[float], li
     return push_s, pause_s
 
 
-def baseline_rss() -> int:
-    """A bare interpreter's resident memory once it has imported what an engine core
-    process imports (torch, the model and runner code), before loading anything."""
-    code = (
-        "import tandem.engine.core_proc, tandem.engine.builder, tandem.runner.builder, torch;"
-        "from tandem.engine.heap import resident_bytes; print(resident_bytes())"
-    )
-    return int(subprocess.check_output([sys.executable, "-c", code], text=True).strip())
-
-
 def sleep_and_wake(url: str) -> dict:
     """Level 2 and back: the engine core's memory awake, asleep, and the wake-up time."""
     r = httpx.post(f"{url}/sleep?level=2", timeout=600).json()
     t0 = time.perf_counter()
     httpx.post(f"{url}/wake_up", timeout=600).raise_for_status()
-    return {"awake": r["rss_before"], "asleep": r["rss_after"], "wake_s": time.perf_counter() - t0}
+    return {"awake": r["rss_before"], "asleep": r["rss_after"], "start": r["rss_at_start"],
+            "wake_s": time.perf_counter() - t0}  # fmt: skip
 
 
 def p(values: list[float], q: float) -> float:
@@ -178,7 +169,6 @@ def main() -> None:
             server.wait_ready(600)
             push, pause = tandem_pushes(server.base_url, tensors, args.pushes)
             mem = sleep_and_wake(server.base_url)
-    base = baseline_rss()
     mb = nbytes / 1e6
     print(f"{len(tensors)} tensors, {mb:.0f} MB in bf16, {args.pushes} pushes each, gloo on loopback")  # fmt: skip
     print(f"{'':24} {'p50 s':>8} {'p99 s':>8} {'MB/s p50':>9}")
@@ -186,11 +176,12 @@ def main() -> None:
         print(f"{name:24} {p(xs, 0.5):8.3f} {p(xs, 0.99):8.3f} {mb / p(xs, 0.5):9.0f}")
     print(f"bandwidth ratio, tandem update / raw broadcast: {p(raw, 0.5) / p(push, 0.5):.2f}x "
           f"(p99/p50 of the pause: {p(pause, 0.99) / p(pause, 0.5):.2f})")  # fmt: skip
+    base = mem["start"]
     above = (mem["asleep"] - base) / max(1, mem["awake"] - base)
     print(f"sleep level 2: engine core {mem['awake'] / 2**20:.0f} MiB awake, "
-          f"{mem['asleep'] / 2**20:.0f} MiB asleep, {base / 2**20:.0f} MiB an interpreter with "
-          f"its imports: {above:.1%} of the awake memory above that kept; wake-up "
-          f"{mem['wake_s']:.1f} s")  # fmt: skip
+          f"{mem['asleep'] / 2**20:.0f} MiB asleep, {base / 2**20:.0f} MiB before its model "
+          f"loaded (the interpreter and its imports): {above:.1%} of the awake memory above "
+          f"that kept; wake-up {mem['wake_s']:.1f} s")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ class EngineCore:
         self.weight_version = "default"
         self.paused = False
         self.sleeping = 0  # the sleep level (0: awake)
+        self.rss_at_start = 0  # resident bytes before the model loaded (its process sets it)
         # a level-2 sleeper's new runner (engine/builder.py; None: cannot wake from level 2)
         self.rebuild_runner: Callable | None = None
 
@@ -442,18 +443,21 @@ class EngineCore:
         (off-policy), or with `recompute_kv` compute it anew. flush_cache: free the older
         weights' cached blocks now rather than as they are evicted. -> tensors written."""
         count = self.runner.update_weights(tensors)
-        if weight_version is not None:
-            self.weight_version = weight_version
-        kv = self.scheduler.kv
-        epoch = kv.new_weight_epoch()
-        for hasher in self._hashers():
-            hasher.set_weights(epoch, self.weight_version)
+        self._new_weights(weight_version or self.weight_version)
         if recompute_kv:
             self.scheduler.preempt_running()
         if flush_cache:
-            kv.reset_prefix_cache()
+            self.scheduler.kv.reset_prefix_cache()
         self.stalled = False
         return count
+
+    def _new_weights(self, version: str) -> None:
+        """The model's weights changed: a new epoch, so no KV of the old ones matches (in the
+        radix tree, and in the tiers and KV events, whose block names carry the version)."""
+        self.weight_version = version
+        epoch = self.scheduler.kv.new_weight_epoch()
+        for hasher in self._hashers():
+            hasher.set_weights(epoch, version)
 
     def pause(self, mode: str) -> list[EngineCoreOutput]:
         """Hold generation: "keep" holds the running requests with their KV until resume;
@@ -496,17 +500,14 @@ class EngineCore:
         self.sleeping = max(level, self.sleeping)
         after = resident_bytes()
         return {"level": self.sleeping, "rss_before": before, "rss_after": after,
-                "freed_bytes": before - after}  # fmt: skip
+                "freed_bytes": before - after, "rss_at_start": self.rss_at_start}  # fmt: skip
 
     def wake_up(self) -> dict:
         """Back from sleep; from level 2 with the checkpoint's weights (version "default",
         and no KV of the weights before matches). -> the resident memory after."""
         if self.sleeping == 2:
             self.runner = self.rebuild_runner(self.runner)
-            self.weight_version = "default"
-            epoch = self.scheduler.kv.new_weight_epoch()
-            for hasher in self._hashers():
-                hasher.set_weights(epoch, self.weight_version)
+            self._new_weights("default")
         self.sleeping, self.stalled = 0, False
         return {"rss_after": resident_bytes(), "weight_version": self.weight_version}
 

@@ -27,7 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import msgspec
 import zmq
 
-from tandem.engine.heap import freeze_startup_heap
+from tandem.engine.control import ControlCalls
+from tandem.engine.heap import freeze_startup_heap, resident_bytes
 from tandem.engine.messages import (
     ABORT,
     ADD,
@@ -82,10 +83,10 @@ class EngineCoreProc:
         self.lora_results: list[tuple[str, str]] = []
         self.utility_decoder = msgspec.msgpack.Decoder(UtilityCall)
         self.utility_results: list[tuple[str, str, object]] = []
-        # slow control calls (SLOW_UTILITIES) waiting off the step loop (the loader's
-        # thread): op id -> (their work, what applies its result between steps)
+        # control calls (RL: engine/control.py); the slow ones' waiting runs on the loader's
+        # thread: op id -> (their work, what applies its result between steps)
+        self.control = ControlCalls(core, emit=lambda outputs: self.pending.extend(outputs))
         self.updating: dict[str, tuple[Future, object]] = {}
-        self.weight_group = None  # a trainer's torch.distributed group (runner/weight_sync.py)
         self.stopping = False
 
     def run(self) -> None:
@@ -164,15 +165,12 @@ class EngineCoreProc:
     # ---- control calls (RL): between two steps ---------------------------------------------
     def _utility(self, call: UtilityCall) -> None:
         try:
-            slow = SLOW_UTILITIES.get(call.method)
+            slow = self.control.slow(call.method)
             if slow is not None:  # its waiting (reads, a rendezvous, a broadcast) off the loop
-                work, finish = slow(self, **call.args)
+                work, finish = slow(**call.args)
                 self.updating[call.op_id] = (self.loader.submit(work), finish)
                 return
-            handler = UTILITIES.get(call.method)
-            if handler is None:
-                raise ValueError(f"method: no control call {call.method!r}")
-            result = handler(self, **call.args)
+            result = self.control.call(call.method, call.args)
         except Exception as e:
             self.utility_results.append((call.op_id, _reason(e), None))
             return
@@ -188,84 +186,6 @@ class EngineCoreProc:
             except Exception as e:
                 self.utility_results.append((op_id, _reason(e), None))
         return len(done)
-
-    def _update_weights(self, tensors, weight_version=None, flush_cache=True, recompute_kv=False):
-        count = self.core.update_weights(tensors, weight_version, flush_cache, recompute_kv)
-        return {"weight_version": self.core.weight_version, "num_tensors": count}
-
-    def _from_disk(self, model_path: str, **update):
-        """update_weights_from_disk: read, check and quantize off the loop; write between
-        steps."""
-        runner = self.core.runner
-        return (
-            lambda: runner.prepare_weights(runner.read_weights(model_path)),
-            lambda prepared: self._update_weights(prepared, **update),
-        )
-
-    def _init_group(self, timeout_s: float = 300.0, group_name: str = "", **where):
-        """init_weights_update_group: join the trainer's rendezvous off the loop."""
-        from tandem.runner.weight_sync import WeightSyncGroup
-
-        if self.weight_group is not None:
-            raise ValueError("a weight update group is open already: destroy it first")
-        self.core.runner.weight_updater()  # refused here, before the trainer waits on us
-        self.weight_group = "joining"
-
-        def done(group):
-            self.weight_group = group
-            return {"rank": group.rank}
-
-        def join():
-            try:
-                return WeightSyncGroup(**where, timeout_s=timeout_s)
-            except BaseException:
-                self.weight_group = None
-                raise
-
-        return join, done
-
-    def _from_distributed(self, names, dtypes, shapes, **update):
-        """update_weights_from_distributed: receive every tensor off the loop, then write."""
-        group = self.weight_group
-        if group is None or group == "joining":
-            raise ValueError("no weight update group: call init_weights_update_group first")
-
-        runner = self.core.runner
-
-        def receive():
-            # each layer quantized (or repacked) as soon as its tensors have come, off the loop
-            preparation = runner.weight_preparation()
-            try:
-                group.receive(names, dtypes, shapes, on_tensor=preparation.add)
-            except BaseException:
-                preparation.close()
-                if not torch_distributed_initialized():
-                    self.weight_group = None  # torn down by the failure
-                raise
-            return runner.prepared(preparation)
-
-        return receive, lambda prepared: self._update_weights(prepared, **update)
-
-    def _destroy_group(self) -> dict:
-        group, self.weight_group = self.weight_group, None
-        if group is None or group == "joining":
-            raise ValueError("no weight update group is open")
-        group.close()
-        return {}
-
-    def _pause(self, mode: str, recompute_kv: bool = False) -> dict:
-        outputs = self.core.pause(mode)
-        if recompute_kv:  # SGLang's "retract": held requests compute their KV anew after
-            self.core.scheduler.preempt_running()
-        self.pending += outputs  # the aborted requests' ends go out with the answer
-        return {"num_aborted": len(outputs), "num_held": self.core.scheduler.num_running}
-
-    def _resume(self) -> dict:
-        self.core.resume()
-        return {}
-
-    def _reset_prefix_cache(self) -> dict:
-        return {"freed_blocks": self.core.reset_prefix_cache()}
 
     def _take_kv(self) -> int:
         outputs = self.kv.poll()
@@ -355,29 +275,6 @@ class EngineCoreProc:
             os._exit(1)
 
 
-# control calls by name (UtilityCall.method): each takes its call's args as keywords
-UTILITIES = {
-    "pause": EngineCoreProc._pause,
-    "resume": EngineCoreProc._resume,
-    "reset_prefix_cache": EngineCoreProc._reset_prefix_cache,
-    "destroy_weights_update_group": EngineCoreProc._destroy_group,
-    "sleep": lambda proc, level: proc.core.sleep(level),
-    "wake_up": lambda proc: proc.core.wake_up(),
-}
-# ... and those that wait (on files, a trainer): (work off the loop, finish on it)
-SLOW_UTILITIES = {
-    "update_weights_from_disk": EngineCoreProc._from_disk,
-    "init_weights_update_group": EngineCoreProc._init_group,
-    "update_weights_from_distributed": EngineCoreProc._from_distributed,
-}
-
-
-def torch_distributed_initialized() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_initialized()
-
-
 def _reason(e: Exception) -> str:
     return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
 
@@ -416,7 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     encoder = msgspec.msgpack.Encoder()
     try:
         config = _config(json.loads(args.config))
+        import tandem.runner.builder  # noqa: F401  (torch and the model code: imported anyway)
+
+        at_start = resident_bytes()  # the interpreter and its imports, before the model
         core, loaded = _build_core(config)
+        core.rss_at_start = at_start
         kv, sender = _role(core, loaded, config)
     except Exception as e:  # report any startup failure to the server, which exits with it
         message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"

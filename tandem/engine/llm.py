@@ -133,6 +133,15 @@ class LLM:
     def weight_version(self) -> str:
         return self.engine.weight_version
 
+    def sleep(self, level: int = 1) -> dict:
+        """Free memory between generate calls (an RL trainer's turn): level 1 the KV pool,
+        level 2 the model too; -> the resident bytes before and after."""
+        return self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Back from sleep; after level 2 the model is the checkpoint's again."""
+        self.engine.wake_up()
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block; -> True (nothing runs between generate calls)."""
         self.engine.reset_prefix_cache()

@@ -66,6 +66,7 @@ class WeightSyncGroup:
                 "a weight update group is open already: destroy_weights_update_group first"
             )
         self.backend, self.rank = backend, rank_offset
+        self.broken = False  # a broadcast failed: the group was torn down
         self.device = torch.device("cuda" if backend == "nccl" else "cpu")
         try:
             dist.init_process_group(
@@ -95,6 +96,7 @@ class WeightSyncGroup:
             try:
                 dist.broadcast(t, src=0)
             except Exception as e:
+                self.broken = True
                 self.close()
                 raise ValueError(
                     f"names: the broadcast of {name!r} ({i + 1} of {len(names)}) failed, the "

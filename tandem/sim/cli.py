@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -35,6 +36,14 @@ def add_parser(sub) -> None:
     r.add_argument("--max-probes", type=int, default=10)
     r.add_argument("--save-result", default=None, help="write the result JSON here")
     r.add_argument("--plot", default=None, help="write a PNG of a sweep or search here")
+
+    o = s.add_parser(
+        "rollout", help="RL rollouts: synchronous against partial (APRIL's), finished tok/s"
+    )
+    from tandem.sim.rollout import RolloutSpec
+
+    for f in dataclasses.fields(RolloutSpec):
+        o.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
 
     q = s.add_parser("plan", help="the cheapest cluster that meets SLOs at a request rate")
     q.add_argument("--model", default="llama-3-8b", help="a built-in spec or a config.json")
@@ -127,6 +136,8 @@ def parse_goodput(items) -> dict[str, float] | None:
 def run(args: argparse.Namespace) -> int:
     if args.sim_command == "plan":
         return plan(args)
+    if args.sim_command == "rollout":
+        return rollout(args)
     from tandem.bench.arrivals import parse_rates
     from tandem.bench.results import format_summary, format_sweep, rate_value
     from tandem.sim.cluster import ClusterSpec
@@ -251,3 +262,19 @@ def plan(args: argparse.Namespace) -> int:
 
         print(f"plot saved to {plot_plan(planner, args.plot)}")
     return 0 if best is not None else 1
+
+
+def rollout(args: argparse.Namespace) -> int:
+    from tandem.sim.rollout import RolloutSpec, compare
+
+    spec = RolloutSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RolloutSpec)})
+    sync, partial = compare(spec)
+    print(f"{spec.steps} RL steps of {spec.batch} rollouts, {spec.model} on one {spec.hardware}, "
+          f"outputs lognormal (median {spec.median_output}, sigma {spec.sigma}, at most "
+          f"{spec.max_output}), {spec.update_s:g} s a weight update")  # fmt: skip
+    for r in (sync, partial):
+        print(f"  {r.mode:8} {r.seconds:9.1f} s  {r.rollouts:6d} rollouts  "
+              f"{r.tokens_per_s:9.0f} finished tok/s")  # fmt: skip
+    print(f"partial rollout (over {spec.over:g}): {partial.tokens_per_s / sync.tokens_per_s:.2f}x "
+          "the finished tokens per second of synchronous rollout")  # fmt: skip
+    return 0

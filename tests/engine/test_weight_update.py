@@ -172,7 +172,6 @@ def test_sleep_level_2_gives_the_models_memory_back_and_wake_up_loads_it_again()
     from tandem.engine.config import EngineConfig
 
     core, _ = build_engine(EngineConfig(kv_cache_memory=0.05))
-    llm = LLM.__new__(LLM)  # (the core alone: no second model in this process)
     params = SamplingParams(temperature=0, max_tokens=8)
     from tandem.engine.messages import EngineCoreRequest
 
@@ -195,4 +194,16 @@ def test_sleep_level_2_gives_the_models_memory_back_and_wake_up_loads_it_again()
         core.runner.update_weights({})
     assert core.wake_up()["weight_version"] == "default"
     assert greedy("b") == before
-    del llm
+
+
+def test_the_offline_llm_sleeps_and_wakes_between_generate_calls(checkpoint_pairs):
+    a, b = checkpoint_pairs["llama"]
+    llm = engine(a, dtype="float32")
+    before = run(llm)
+    llm.update_weights(model_path=str(b), weight_version="b")
+    assert llm.sleep(1)["level"] == 1
+    llm.wake_up()
+    assert run(llm) == run(engine(b, dtype="float32"))  # level 1 keeps the weights
+    assert llm.sleep(2)["level"] == 2
+    llm.wake_up()
+    assert llm.weight_version == "default" and run(llm) == before  # level 2: the file's
