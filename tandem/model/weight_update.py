@@ -108,11 +108,17 @@ class WeightUpdater:
         commit(self.prepare(tensors))
         return len(tensors)
 
-    def _owner(self, path: str) -> nn.Module:
+    def owner(self, path: str) -> nn.Module:
+        """The module holding the weight loading put at `path`."""
         module = self.model.get_submodule(path)
         if isinstance(module, QuantizedEmbedding):  # a quantized embedding is a head's rows
             module = module.source
         return getattr(module, "base", module)  # under a LoRA wrapper, the base layer
+
+
+# One thread quantizes every push, for the life of the process (not a thread, and a pool
+# of OpenMP threads under it, started per push).
+_WORKER = ThreadPoolExecutor(1, thread_name_prefix="weights")
 
 
 class Preparation:
@@ -121,21 +127,20 @@ class Preparation:
     next tensors arrive; finish() waits for them and returns the writes, in arrival order."""
 
     def __init__(self, updater: WeightUpdater) -> None:
-        self.u = updater
+        self.updater = updater
         self.writes: list[Future | Callable[[], None]] = []
         self.staged: dict[str, list[tuple[object, torch.Tensor]]] = {}  # layers awaiting rows
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="weights")
         self.count = 0
 
     def add(self, name: str, t: torch.Tensor) -> None:
-        u = self.u
+        u = self.updater
         u.check(name, t.shape, t.dtype)
         self.count += 1
         if u.tied and name == "lm_head.weight":
             name = "model.embed_tokens.weight"  # one matrix; the last one given wins
         target, _, index = _target_of(u.model, moe_param_name(name))
         path, _, leaf = target.rpartition(".")
-        module = u._owner(path)
+        module = u.owner(path)
         value = t.detach().to(u.dtype)
         if leaf == "weight" and isinstance(module, (PackedLinear, QuantizedLinear)):
             self._stage(path, module, index, value)
@@ -151,11 +156,11 @@ class Preparation:
         covered = sum(module.out_features if i is None else i.stop - i.start for i, _ in rows)
         if covered >= module.out_features:  # all of it new: nothing of the old to read back
             del self.staged[path]
-            self.writes.append(self.worker.submit(self._rebuilt, module, rows, whole=True))
+            self.writes.append(_WORKER.submit(self._rebuilt, module, rows, whole=True))
 
     def _rebuilt(self, module, rows, whole: bool) -> Callable[[], None]:
         shape = (module.out_features, module.in_features)
-        weight = torch.empty(shape, dtype=self.u.dtype) if whole else current_weight(module, self.u.dtype)  # fmt: skip
+        weight = torch.empty(shape, dtype=self.updater.dtype) if whole else current_weight(module, self.updater.dtype)  # fmt: skip
         for index, value in rows:
             _write(weight, index, value)
         return rebuilt(module, weight)
@@ -164,7 +169,9 @@ class Preparation:
         """The writes, once every layer's new form is computed (a layer only partly
         pushed: its other rows read back from the model)."""
         for path, rows in self.staged.items():
-            self.writes.append(self.worker.submit(self._rebuilt, self.u._owner(path), rows, False))
+            self.writes.append(
+                self.worker.submit(self._rebuilt, self.updater.owner(path), rows, False)
+            )
         self.staged = {}
         try:
             return [w.result() if isinstance(w, Future) else w for w in self.writes]
@@ -172,7 +179,10 @@ class Preparation:
             self.close()
 
     def close(self) -> None:
-        self.worker.shutdown(wait=False, cancel_futures=True)
+        """Drop what has not run yet (a push that failed on the way)."""
+        for w in self.writes:
+            if isinstance(w, Future):
+                w.cancel()
 
 
 def _write(dest: torch.Tensor, index, value: torch.Tensor) -> None:

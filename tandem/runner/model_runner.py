@@ -295,7 +295,7 @@ class ModelRunner:
 
     @staticmethod
     def prepared(preparation) -> PreparedWeights:
-        return PreparedWeights(preparation.finish(), preparation.count, preparation.u.model)
+        return PreparedWeights(preparation.finish(), preparation.count, preparation.updater.model)
 
     def update_weights(self, tensors: dict[str, torch.Tensor] | PreparedWeights) -> int:
         """Write new weights (tensors, or what prepare_weights made of them) between two
